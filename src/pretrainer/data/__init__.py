@@ -1,0 +1,1 @@
+"""Data: read sources, tokenize into token arrays, sample a deterministic mixture, build batches."""

@@ -1,0 +1,15 @@
+"""Errors that end a run with one clear line instead of a traceback."""
+
+
+class PretrainerError(Exception):
+    """A problem with the user's input (recipe, data, paths); scripts print it and exit 2."""
+
+    exit_code = 2
+
+
+class RecipeError(PretrainerError):
+    """A recipe that cannot be loaded or validated. The message names the file and the field."""
+
+
+class DataError(PretrainerError):
+    """A data source that is missing, empty or unreadable. The message names the source."""

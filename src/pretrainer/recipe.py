@@ -1,0 +1,230 @@
+"""Load a recipe: YAML (safe loader) -> `inherit:` chain -> `--set` overrides -> typed, strict validation.
+
+Precedence: `--set a.b=c` > child recipe > inherited base. Dicts merge key by key; lists and scalars are replaced
+whole. Every leaf remembers which file (or `--set`) gave it, so a validation error names the file and the field:
+
+    recipes/x.yaml: schedule.warmup_steps: Input should be greater than or equal to 0
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .errors import RecipeError
+from .sections import Recipe
+
+CLI = "--set"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: file not found") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _leaf_paths(value: Any, prefix: tuple) -> list[tuple]:
+    if isinstance(value, dict) and value:
+        out = []
+        for k, v in value.items():
+            out.extend(_leaf_paths(v, prefix + (k,)))
+        return out
+    return [prefix]
+
+
+def _merge(base: dict, over: dict, origin: str, prov: dict[tuple, str], prefix: tuple = ()) -> dict:
+    """Merge `over` into a copy of `base`; record the origin of every leaf that `over` sets."""
+    out = dict(base)
+    for k, v in over.items():
+        path = prefix + (k,)
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v, origin, prov, path)
+        else:
+            # A replaced subtree forgets where its old leaves came from.
+            for p in [p for p in prov if p[: len(path)] == path]:
+                del prov[p]
+            out[k] = copy.deepcopy(v)
+            for p in _leaf_paths(v, path):
+                prov[p] = origin
+    return out
+
+
+def _load_chain(path: Path, prov: dict[tuple, str], stack: tuple[Path, ...] = ()) -> dict:
+    path = path.resolve() if path.is_absolute() else path
+    key = path.resolve()
+    if key in [p.resolve() for p in stack]:
+        chain = " -> ".join(str(p) for p in stack + (path,))
+        raise RecipeError(f"{path}: inherit: cycle in the inheritance chain: {chain}")
+    data = _read_yaml(path)
+    parent = data.pop("inherit", None)
+    merged: dict = {}
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise RecipeError(f"{path}: inherit: must be a relative path string, got {parent!r}")
+        parent_path = path.parent / parent
+        if not parent_path.exists():
+            raise RecipeError(f"{path}: inherit: {parent_path} does not exist")
+        merged = _load_chain(parent_path, prov, stack + (path,))
+    return _merge(merged, data, str(path), prov)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML)."""
+    if "=" not in item:
+        raise RecipeError(f"{CLI} {item}: expected KEY=VALUE, for example schedule.warmup_steps=100")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise RecipeError(f"{CLI} {item}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{CLI} {item}: the value is not valid YAML: {e}") from None
+    return key.split("."), value
+
+
+def _apply_override(data: dict, keys: list[str], value: Any, item: str, prov: dict[tuple, str]) -> None:
+    node: Any = data
+    path: tuple = ()
+    for i, k in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not re.fullmatch(r"\d+", k) or int(k) >= len(node):
+                raise RecipeError(f"{CLI} {item}: {'.'.join(keys[: i + 1])}: no list element {k} (length {len(node)})")
+            k = int(k)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"{CLI} {item}: {'.'.join(keys[:i])} is not a section")
+        path = path + (k,)
+        if last:
+            for p in [p for p in prov if p[: len(path)] == path]:
+                del prov[p]
+            node[k] = value
+            for p in _leaf_paths(value, path):
+                prov[p] = f"{CLI} {item}"
+        else:
+            if isinstance(node, dict) and k not in node:
+                node[k] = {}
+            node = node[k]
+
+
+def _origin(prov: dict[tuple, str], loc: tuple, default: str) -> str:
+    """The file that set the deepest known prefix of `loc`."""
+    for n in range(len(loc), 0, -1):
+        hits = [o for p, o in prov.items() if p[:n] == loc[:n]]
+        if hits:
+            return hits[-1]
+    return default
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic class that owns the field at `loc` (for did-you-mean suggestions)."""
+    model: Any = Recipe
+    for part in loc:
+        if isinstance(part, int) or not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        # Unwrap Optional[...] / list[...] / dict[str, ...] down to a model class.
+        while get_origin(ann) is not None:
+            args = [a for a in get_args(ann) if a is not type(None)]
+            ann = args[-1] if args else None
+        model = ann
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _format_errors(err: ValidationError, prov: dict[tuple, str], main_file: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if not loc:
+            # Cross-section checks put the field path at the start of the message.
+            m = re.match(r"([\w.]+): ", msg)
+            if m:
+                loc = tuple(int(p) if p.isdigit() else p for p in m.group(1).split("."))
+                msg = msg[m.end() :]
+        field = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(loc[:-1]) if len(loc) > 1 else Recipe
+            known = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = f"unknown key{f'; did you mean {close[0]!r}?' if close else ''} (known: {', '.join(known)})"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        origin = _origin(prov, loc, main_file)
+        lines.append(f"{origin}: {field}: {msg}")
+    return "\n".join(lines)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load, merge and validate a recipe.
+
+    Args:
+        path: the recipe YAML file.
+        overrides: `a.b=c` strings; values are parsed as YAML (`stages='[...]'` works).
+
+    Returns:
+        The validated `Recipe`.
+
+    Raises:
+        RecipeError: with one line per problem, each naming the file (or `--set`) and the field.
+    """
+    path = Path(path)
+    prov: dict[tuple, str] = {}
+    data = _load_chain(path, prov)
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        _apply_override(data, keys, value, item, prov)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e, prov, str(path))) from None
+
+
+def recipe_dict(recipe: Recipe) -> dict[str, Any]:
+    """The resolved recipe as plain data (what is written to recipe.resolved.yaml and the tracker config)."""
+    return recipe.model_dump(mode="json")
+
+
+def dump_recipe(recipe: Recipe, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(recipe_dict(recipe), sort_keys=False))
+
+
+def recipe_hash(recipe: Recipe) -> str:
+    return hashlib.sha256(json.dumps(recipe_dict(recipe), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; for tracker configs, which want flat keys."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, int | float | str | bool) or v is None else json.dumps(v)
+    return out

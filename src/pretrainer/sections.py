@@ -1,0 +1,247 @@
+"""Typed recipe sections: one class per YAML section, strict (unknown keys are errors).
+
+Each component receives only its own section. Field docstrings are the reference for recipe authors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = "run"
+    """Run name, shown in trackers and used for the default output directory."""
+    output_dir: str | None = None
+    """Where metrics, checkpoints and the final model go. Default: runs/<name>."""
+    seed: int = 1234
+    """Seeds model init, data order and dropout."""
+
+
+class ModelSection(Section):
+    config: dict[str, Any]
+    """A Hugging Face config dict; `model_type` picks the architecture (any type transformers knows)."""
+    init_std: float | None = Field(default=0.02, gt=0)
+    """Std of the normal init of linear and embedding weights (sets `initializer_range`)."""
+    attn_implementation: str = "sdpa"
+    """`sdpa` (default), `eager`, or `flash_attention_2` where installed."""
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    trust_remote_code: bool = False
+    """Only needed for hub model types that transformers does not ship; off unless asked for."""
+
+    @field_validator("config")
+    @classmethod
+    def _has_model_type(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "model_type" not in v:
+            raise ValueError("must contain `model_type` (for example `llama`)")
+        return v
+
+
+class TokenizerTrainSection(Section):
+    vocab_size: int = Field(default=4096, ge=256)
+    sources: list[str] | None = None
+    """Sources whose training documents the tokenizer learns from. Default: all sources."""
+    max_documents: int | None = Field(default=None, ge=1)
+
+
+class TokenizerSection(Section):
+    path: str | None = None
+    """A hub id or a local directory with a tokenizer."""
+    train: TokenizerTrainSection | None = None
+    """Train a byte-level BPE on the recipe's own data (cached under data.cache_dir)."""
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizerSection:
+        if (self.path is None) == (self.train is None):
+            raise ValueError("set exactly one of `path` or `train`")
+        return self
+
+
+class SourceSection(Section):
+    type: Literal["python_stdlib", "files", "hub"]
+    """`python_stdlib`: the stdlib's own source files; `files`: local text/jsonl/parquet; `hub`: a hub dataset id."""
+    include: list[str] = Field(default_factory=list)
+    """Glob patterns. For `python_stdlib` relative to the stdlib directory; for `files` relative to the working dir."""
+    exclude: list[str] = Field(default_factory=list)
+    path: str | None = None
+    """`hub`: the dataset id."""
+    name: str | None = None
+    """`hub`: the dataset config name."""
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+    max_documents: int | None = Field(default=None, ge=1)
+    """Read at most this many documents (in file order)."""
+
+    @model_validator(mode="after")
+    def _fields_for_type(self) -> SourceSection:
+        if self.type in ("python_stdlib", "files") and not self.include:
+            raise ValueError(f"`include` (glob patterns) is required for type {self.type}")
+        if self.type == "hub" and not self.path:
+            raise ValueError("`path` (the dataset id) is required for type hub")
+        return self
+
+
+class DataSection(Section):
+    sources: dict[str, SourceSection]
+    validation_fraction: float = Field(default=0.02, gt=0, lt=0.5)
+    """Fraction of each source's documents held out for validation (at least one document)."""
+    cache_dir: str = ".cache/pretrainer"
+    """Tokenized data and trained tokenizers are cached here, keyed by content."""
+
+    @field_validator("sources")
+    @classmethod
+    def _non_empty(cls, v: dict[str, SourceSection]) -> dict[str, SourceSection]:
+        if not v:
+            raise ValueError("define at least one source")
+        return v
+
+
+class BatchSection(Section):
+    micro_batch_size: int = Field(ge=1)
+    """Sequences per device per forward pass, at the first stage's seq_len. Tokens per micro batch stay fixed
+    across stages, so a stage at 4x the context runs 1/4 the sequences per micro batch."""
+    global_batch_tokens: int = Field(ge=1)
+    """Tokens per optimizer step over all devices; fixed for the whole run."""
+
+
+class OptimizerSection(Section):
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Applied to matrices only; norms, biases and embeddings-free 1-D params get none."""
+    fused: bool | None = None
+    """Fused AdamW kernel. Default: on where the device supports it."""
+
+
+class ScheduleSection(Section):
+    type: Literal["cosine", "wsd"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final LR as a fraction of the peak."""
+    decay_fraction: float = Field(default=0.1, gt=0, le=1)
+    """WSD: fraction of all steps spent decaying, at the end of the run."""
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    """WSD: shape of the decay."""
+
+
+class StageSection(Section):
+    name: str
+    steps: int | None = Field(default=None, ge=1)
+    tokens: int | None = Field(default=None, ge=1)
+    """Length of the stage, in optimizer steps or in tokens (rounded up to whole steps)."""
+    seq_len: int = Field(ge=8)
+    mixture: dict[str, float]
+    """Source name -> sampling weight."""
+
+    @model_validator(mode="after")
+    def _length(self) -> StageSection:
+        if (self.steps is None) == (self.tokens is None):
+            raise ValueError("set exactly one of `steps` or `tokens`")
+        if not self.mixture:
+            raise ValueError("`mixture` needs at least one source")
+        if any(w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0:
+            raise ValueError("mixture weights must be >= 0 and not all zero")
+        return self
+
+
+class PrecisionSection(Section):
+    mixed: Literal["no", "bf16", "fp16", "fp8"] = "bf16"
+
+
+class ClippingSection(Section):
+    max_grad_norm: float | None = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still logged)."""
+
+
+class EvalSection(Section):
+    every_steps: int = Field(default=100, ge=0)
+    """0 disables periodic evaluation (the final evaluation still runs)."""
+    max_batches: int = Field(default=8, ge=1)
+    """Validation micro batches per source."""
+
+
+class LoggingSection(Section):
+    every_steps: int = Field(default=10, ge=1)
+    report_to: list[Literal["wandb", "tensorboard"]] = Field(default_factory=lambda: ["wandb", "tensorboard"])
+    """Trackers besides metrics.jsonl. W&B runs offline when no API key is configured."""
+    project: str = "pretrainer"
+    """W&B project / TensorBoard sub-directory."""
+
+
+class Recipe(Section):
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection
+    tokenizer: TokenizerSection
+    data: DataSection
+    batch: BatchSection
+    optimizer: OptimizerSection
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    stages: list[StageSection]
+    precision: PrecisionSection = Field(default_factory=PrecisionSection)
+    clipping: ClippingSection = Field(default_factory=ClippingSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Recipe:
+        if not self.stages:
+            raise ValueError("stages: define at least one stage")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stages: stage names must be unique, got {names}")
+        for i, stage in enumerate(self.stages):
+            for src in stage.mixture:
+                if src not in self.data.sources:
+                    raise ValueError(
+                        f"stages.{i}.mixture: source {src!r} of stage {stage.name!r} is not defined in data.sources "
+                        f"(defined: {sorted(self.data.sources)})"
+                    )
+            if self.batch.global_batch_tokens % stage.seq_len:
+                raise ValueError(
+                    f"stages.{i}.seq_len: batch.global_batch_tokens={self.batch.global_batch_tokens} is not a "
+                    f"multiple of seq_len={stage.seq_len} (stage {stage.name!r})"
+                )
+            micro_tokens = self.batch.micro_batch_size * self.stages[0].seq_len
+            if micro_tokens % stage.seq_len:
+                raise ValueError(
+                    f"stages.{i}.seq_len: tokens per micro batch ({micro_tokens}) is not a multiple of "
+                    f"seq_len={stage.seq_len} (stage {stage.name!r})"
+                )
+        micro_tokens = self.batch.micro_batch_size * self.stages[0].seq_len
+        if self.batch.global_batch_tokens % micro_tokens:
+            raise ValueError(
+                f"batch.global_batch_tokens: {self.batch.global_batch_tokens} is not a multiple of the tokens per "
+                f"micro batch ({self.batch.micro_batch_size} x {self.stages[0].seq_len} = {micro_tokens})"
+            )
+        total = sum(
+            st.steps if st.steps is not None else -(-st.tokens // self.batch.global_batch_tokens) for st in self.stages
+        )
+        if self.schedule.warmup_steps >= total:
+            raise ValueError(f"schedule.warmup_steps: {self.schedule.warmup_steps} is not below the run's {total} steps")
+        if self.schedule.type == "wsd":
+            decay = max(1, round(self.schedule.decay_fraction * total))
+            if self.schedule.warmup_steps > total - decay:
+                raise ValueError(
+                    f"schedule.warmup_steps: warmup ({self.schedule.warmup_steps}) runs into the WSD decay, which "
+                    f"starts at step {total - decay} of {total}"
+                )
+        if self.tokenizer.train and self.tokenizer.train.sources:
+            for src in self.tokenizer.train.sources:
+                if src not in self.data.sources:
+                    raise ValueError(f"tokenizer.train.sources: {src!r} is not defined in data.sources")
+        return self
+
+    @property
+    def output_dir(self) -> str:
+        return self.run.output_dir or f"runs/{self.run.name}"

@@ -1,0 +1,245 @@
+"""The training loop: stages, gradient accumulation, clipping, eval, logging, final export.
+
+Everything distributed comes from Accelerate (DDP, DeepSpeed ZeRO, FSDP); the same loop runs on one CPU process and
+on many nodes. The host synchronises with the device only on logging and eval steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, set_seed
+from tqdm.auto import tqdm
+
+from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources, validation_batches
+from .errors import PretrainerError
+from .model import build_config, build_model, count_params
+from .recipe import dump_recipe, flatten, recipe_dict
+from .schedules import lr_lambda
+from .sections import Recipe
+from .stages import grad_accum_steps, stage_at, stage_spans, total_steps
+from .tracking import RunLog, tracker_setup
+
+
+def make_accelerator(recipe: Recipe, output_dir: Path, grad_accum: int) -> Accelerator:
+    kwargs = []
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Without this every CPU rank would believe it is rank 0 of 1 (the default backend is nccl).
+        kwargs.append(InitProcessGroupKwargs(backend="gloo"))
+    try:
+        return Accelerator(
+            mixed_precision=recipe.precision.mixed,
+            gradient_accumulation_steps=grad_accum,
+            log_with=tracker_setup(recipe.logging.report_to, output_dir) or None,
+            project_dir=str(output_dir),
+            # The LambdaLR is indexed by optimizer step; Accelerate would otherwise step it once per process.
+            step_scheduler_with_optimizer=False,
+            kwargs_handlers=kwargs,
+        )
+    except (ValueError, ImportError) as e:
+        raise PretrainerError(f"precision.mixed: {recipe.precision.mixed!r} is not usable here: {e}") from None
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms' gains and biases keep their scale."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    """Runs a recipe. `Trainer(recipe).train()` is the whole program."""
+
+    def __init__(self, recipe: Recipe, output_dir: str | Path | None = None):
+        self.recipe = recipe
+        self.output_dir = Path(output_dir or recipe.output_dir)
+        self.spans = stage_spans(recipe)
+        self.total_steps = total_steps(recipe)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            self.grad_accum = grad_accum_steps(recipe, world)
+        except ValueError as e:
+            raise PretrainerError(str(e)) from None
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.accelerator = make_accelerator(recipe, self.output_dir, self.grad_accum)
+        acc = self.accelerator
+        if acc.num_processes != world:
+            raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
+        self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
+        if acc.is_main_process:
+            dump_recipe(recipe, self.output_dir / "recipe.resolved.yaml")
+
+        with acc.main_process_first():
+            self.tokenizer = get_tokenizer(recipe)
+            self.sources = load_sources(recipe, self.tokenizer)
+
+        set_seed(recipe.run.seed)  # the same initial weights on every rank and every run
+        self.config = build_config(
+            recipe.model,
+            vocab_size=len(self.tokenizer),
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        model = build_model(recipe.model, self.config)
+        self.n_params = count_params(model)
+        opt = recipe.optimizer
+        fused = opt.fused if opt.fused is not None else torch.cuda.is_available()
+        optimizer = torch.optim.AdamW(
+            param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=fused or None
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+        if recipe.model.compile:
+            model = torch.compile(model)
+        self._configure_deepspeed()
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.max_norm = recipe.clipping.max_grad_norm or math.inf
+
+    def _configure_deepspeed(self) -> None:
+        """The recipe, not the launcher config, decides micro batch, accumulation and clipping."""
+        acc = self.accelerator
+        if acc.distributed_type != DistributedType.DEEPSPEED:
+            return
+        ds = acc.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = self.spans[0].micro_batch_size
+        ds["gradient_accumulation_steps"] = self.grad_accum
+        ds["train_batch_size"] = self.spans[0].micro_batch_size * self.grad_accum * acc.num_processes
+        ds["gradient_clipping"] = self.recipe.clipping.max_grad_norm or 0.0
+
+    # ------------------------------------------------------------------ one optimizer step
+
+    def train_step(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward/backward over this rank's micro batches, then one clipped optimizer step.
+
+        Returns:
+            (mean loss on this rank, pre-clip global gradient norm), both as device tensors: no host sync here.
+        """
+        acc, model = self.accelerator, self.model
+        model.train()
+        loss_sum = torch.zeros((), device=acc.device)
+        grad_norm = None
+        for mb in batches:
+            mb = mb.to(acc.device, non_blocking=True)
+            with acc.accumulate(model):
+                out = model(input_ids=mb, labels=mb, use_cache=False)
+                acc.backward(out.loss)
+                loss_sum += out.loss.detach().float()
+                if acc.sync_gradients:
+                    grad_norm = acc.clip_grad_norm_(model.parameters(), self.max_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+        if grad_norm is None and acc.distributed_type == DistributedType.DEEPSPEED:
+            # DeepSpeed clips inside its own step and reports the pre-clip norm afterwards.
+            norm = model.get_global_grad_norm()
+            grad_norm = torch.as_tensor(norm if norm is not None else float("nan"), device=acc.device)
+        return loss_sum / len(batches), grad_norm
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, seq_len: int, micro: int) -> dict[str, float]:
+        """Mean held-out loss per source, split over ranks; every rank runs the same number of forwards (ZeRO-3
+        gathers parameters inside forward, so an uneven count would hang)."""
+        acc, model = self.accelerator, self.model
+        model.eval()
+        names = used_sources(self.recipe)
+        val = validation_batches(self.sources, names, seq_len, micro, self.recipe.eval.max_batches)
+        out = {}
+        for name in names:
+            batches = val[name]
+            per_rank = math.ceil(len(batches) / acc.num_processes)
+            total = torch.zeros(2, device=acc.device)
+            for j in range(per_rank):
+                k = j * acc.num_processes + acc.process_index
+                real = k < len(batches)
+                mb = batches[k if real else 0].to(acc.device)
+                loss = model(input_ids=mb, labels=mb, use_cache=False).loss.float()
+                total += torch.stack([loss * mb.numel() * real, torch.tensor(mb.numel() * real, device=acc.device)])
+            total = acc.reduce(total, reduction="sum")
+            out[f"val/{name}"] = (total[0] / total[1]).item()
+        out["val/avg"] = sum(out.values()) / len(names)
+        model.train()
+        return out
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> dict[str, float]:
+        """Train through every stage, evaluate, and export `final/`. Returns the last logged metrics."""
+        acc, recipe = self.accelerator, self.recipe
+        acc.init_trackers(
+            recipe.logging.project,
+            config=flatten(recipe_dict(recipe)),
+            init_kwargs={"wandb": {"name": recipe.run.name, "dir": str(self.output_dir)}},
+        )
+        self.log.event("run_start", 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes)
+        step, tokens, cursor, span, batcher = 0, 0, 0, None, None
+        last: dict[str, float] = {}
+        bar = tqdm(total=self.total_steps, initial=step, disable=not acc.is_local_main_process, desc="train")
+        window_loss = torch.zeros((), device=acc.device)
+        window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+        log_every, eval_every = recipe.logging.every_steps, recipe.eval.every_steps
+        if eval_every:
+            # The baseline at initialisation: every later validation loss is read against it.
+            first = self.spans[0]
+            self.log.metrics(0, {"tokens": 0, "stage": first.name, **self.evaluate(first.seq_len, first.micro_batch_size)})
+        while step < self.total_steps:
+            if span is None or step >= span.end_step:
+                span = stage_at(self.spans, step)
+                batcher, cursor = StageBatches(recipe, span, self.sources), 0
+                self.log.event("stage_start", step, stage=span.name, seq_len=span.seq_len, tokens=span.tokens)
+            lr = self.scheduler.get_last_lr()[0]
+            batches, cursor, _ = batcher.step_batches(cursor, acc.process_index, acc.num_processes)
+            loss, grad_norm = self.train_step(batches)
+            step += 1
+            tokens += span.tokens_per_step
+            window_loss += loss
+            window_steps += 1
+            window_tokens += span.tokens_per_step
+            bar.update(1)
+            if step % log_every == 0 or step == self.total_steps:
+                mean_loss = acc.reduce(window_loss / window_steps, reduction="mean").item()
+                elapsed = time.perf_counter() - window_start
+                last = {
+                    "tokens": tokens,
+                    "stage": span.name,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "tokens_per_s": window_tokens / elapsed,
+                }
+                self.log.metrics(step, last)
+                bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{last['tokens_per_s']:.0f}")
+                window_loss.zero_()
+                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+            if (eval_every and step % eval_every == 0) or step == self.total_steps:
+                vals = self.evaluate(span.seq_len, span.micro_batch_size)
+                self.log.metrics(step, {"tokens": tokens, "stage": span.name, **vals})
+                last.update(vals)
+                window_start = time.perf_counter()  # eval time is not training throughput
+        bar.close()
+        self.save_final()
+        self.log.event("run_end", step, tokens=tokens)
+        acc.end_training()
+        return last
+
+    def save_final(self) -> Path:
+        """`final/`: save_pretrained model (safetensors) + tokenizer, loadable by AutoModelForCausalLM."""
+        acc = self.accelerator
+        final = self.output_dir / "final"
+        acc.wait_for_everyone()
+        state = acc.get_state_dict(self.model)  # gathers ZeRO-3 / FSDP shards onto the main process
+        unwrapped = acc.unwrap_model(self.model)
+        unwrapped.save_pretrained(
+            final, state_dict=state, is_main_process=acc.is_main_process, save_function=acc.save
+        )
+        if acc.is_main_process:
+            self.tokenizer.save_pretrained(final)
+        acc.wait_for_everyone()
+        return final
