@@ -15,9 +15,16 @@ from pretrainer.cli import run_main
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe field, value parsed as YAML (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field, value parsed as YAML (repeatable)",
+    )
     p.add_argument("--output-dir", help="run directory (default: run.output_dir or runs/<run.name>)")
+    p.add_argument("--overwrite", action="store_true", help="start over in an output dir that holds a run")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -30,7 +37,7 @@ def main(argv=None) -> int:
         from pretrainer.trainer import Trainer
 
         recipe = load_recipe(args.recipe, args.overrides)
-        Trainer(recipe, output_dir=args.output_dir).train()
+        Trainer(recipe, output_dir=args.output_dir, overwrite=args.overwrite).train()
         return 0
 
     return run_main(run, debug=args.debug)

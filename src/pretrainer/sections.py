@@ -157,6 +157,13 @@ class StageSection(Section):
 
 class PrecisionSection(Section):
     mixed: Literal["no", "bf16", "fp16", "fp8"] = "bf16"
+    """`fp8` needs Hopper-class GPUs and an Accelerate fp8 backend (TransformerEngine, torchao or MS-AMP)."""
+
+    @field_validator("mixed", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `no` as false; that is what the author meant.
+        return "no" if v is False else v
 
 
 class ClippingSection(Section):
@@ -228,7 +235,9 @@ class Recipe(Section):
             st.steps if st.steps is not None else -(-st.tokens // self.batch.global_batch_tokens) for st in self.stages
         )
         if self.schedule.warmup_steps >= total:
-            raise ValueError(f"schedule.warmup_steps: {self.schedule.warmup_steps} is not below the run's {total} steps")
+            raise ValueError(
+                f"schedule.warmup_steps: {self.schedule.warmup_steps} is not below the run's {total} steps"
+            )
         if self.schedule.type == "wsd":
             decay = max(1, round(self.schedule.decay_fraction * total))
             if self.schedule.warmup_steps > total - decay:

@@ -20,7 +20,7 @@ from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sourc
 from .errors import PretrainerError
 from .model import build_config, build_model, count_params
 from .recipe import dump_recipe, flatten, recipe_dict
-from .schedules import lr_lambda
+from .schedules import LRController, lr_lambda
 from .sections import Recipe
 from .stages import grad_accum_steps, stage_at, stage_spans, total_steps
 from .tracking import RunLog, tracker_setup
@@ -37,8 +37,6 @@ def make_accelerator(recipe: Recipe, output_dir: Path, grad_accum: int) -> Accel
             gradient_accumulation_steps=grad_accum,
             log_with=tracker_setup(recipe.logging.report_to, output_dir) or None,
             project_dir=str(output_dir),
-            # The LambdaLR is indexed by optimizer step; Accelerate would otherwise step it once per process.
-            step_scheduler_with_optimizer=False,
             kwargs_handlers=kwargs,
         )
     except (ValueError, ImportError) as e:
@@ -57,9 +55,18 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 class Trainer:
     """Runs a recipe. `Trainer(recipe).train()` is the whole program."""
 
-    def __init__(self, recipe: Recipe, output_dir: str | Path | None = None):
+    def __init__(self, recipe: Recipe, output_dir: str | Path | None = None, overwrite: bool = False):
         self.recipe = recipe
         self.output_dir = Path(output_dir or recipe.output_dir)
+        if (self.output_dir / "metrics.jsonl").exists():
+            if not overwrite:
+                raise PretrainerError(
+                    f"{self.output_dir}: already holds a run (metrics.jsonl); choose another --output-dir or pass "
+                    f"--overwrite to start over"
+                )
+            if int(os.environ.get("RANK", "0")) == 0:
+                for name in ("metrics.jsonl", "events.jsonl"):
+                    (self.output_dir / name).unlink(missing_ok=True)
         self.spans = stage_spans(recipe)
         self.total_steps = total_steps(recipe)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -94,11 +101,12 @@ class Trainer:
         optimizer = torch.optim.AdamW(
             param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=fused or None
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
         if recipe.model.compile:
             model = torch.compile(model)
         self._configure_deepspeed()
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.scheduler = LRController(self.optimizer, lr_lambda(recipe), opt.lr)
+        acc.register_for_checkpointing(self.scheduler)
         self.max_norm = recipe.clipping.max_grad_norm or math.inf
 
     def _configure_deepspeed(self) -> None:
@@ -188,7 +196,9 @@ class Trainer:
         if eval_every:
             # The baseline at initialisation: every later validation loss is read against it.
             first = self.spans[0]
-            self.log.metrics(0, {"tokens": 0, "stage": first.name, **self.evaluate(first.seq_len, first.micro_batch_size)})
+            self.log.metrics(
+                0, {"tokens": 0, "stage": first.name, **self.evaluate(first.seq_len, first.micro_batch_size)}
+            )
         while step < self.total_steps:
             if span is None or step >= span.end_step:
                 span = stage_at(self.spans, step)
@@ -236,9 +246,7 @@ class Trainer:
         acc.wait_for_everyone()
         state = acc.get_state_dict(self.model)  # gathers ZeRO-3 / FSDP shards onto the main process
         unwrapped = acc.unwrap_model(self.model)
-        unwrapped.save_pretrained(
-            final, state_dict=state, is_main_process=acc.is_main_process, save_function=acc.save
-        )
+        unwrapped.save_pretrained(final, state_dict=state, is_main_process=acc.is_main_process, save_function=acc.save)
         if acc.is_main_process:
             self.tokenizer.save_pretrained(final)
         acc.wait_for_everyone()

@@ -67,7 +67,9 @@ def load_sources(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> dict[str
         if train is None or val is None:
             arrays = tokenize(read_documents(name, src), tokenizer)
             if arrays.n_docs < 2:
-                raise DataError(f"data.sources.{name}: needs at least 2 documents, one of them held out for validation")
+                raise DataError(
+                    f"data.sources.{name}: needs at least 2 documents, one of them held out for validation"
+                )
             train, val = split(arrays, recipe.data.validation_fraction)
             meta = {"source": name, "tokenizer": fp, "vocab_size": len(tokenizer)}
             save_arrays(train, base / "train", {**meta, "split": "train", "tokens": len(train.tokens)})
@@ -117,9 +119,7 @@ class StageBatches:
             d = self.sampler(i)
             rows.append(self.sources[d.source].train.window(d.sample, self.span.seq_len))
         mb = self.span.micro_batch_size
-        batches = [
-            torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)
-        ]
+        batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]
         return batches, new_cursor, (idx[0], idx[-1])
 
 

@@ -1,0 +1,82 @@
+"""What a recipe will do, answered without training: parameters, stages, LR at steps, FLOPs per token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .model import build_config, build_model, count_params, flops_per_token, non_embedding_params
+from .schedules import lr_lambda
+from .sections import Recipe
+from .stages import stage_spans, total_steps
+
+
+def vocab_size_for(recipe: Recipe) -> int | None:
+    """The vocabulary size without downloading or training anything, when the recipe tells it."""
+    if "vocab_size" in recipe.model.config:
+        return None  # the config's own value stands
+    if recipe.tokenizer.train is not None:
+        return recipe.tokenizer.train.vocab_size
+    from .tokenizer import load_tokenizer  # a hub id: this needs the network (or the HF cache)
+
+    return len(load_tokenizer(recipe.tokenizer, recipe.model.trust_remote_code))
+
+
+def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, Any]:
+    """A JSON-ready summary of the resolved recipe. The model is built on the meta device (no memory)."""
+    config = build_config(recipe.model, vocab_size=vocab_size_for(recipe))
+    model = build_model(recipe.model, config, meta=True)
+    params = count_params(model)
+    n_non_emb = non_embedding_params(model)
+    fn = lr_lambda(recipe)
+    peak = recipe.optimizer.lr
+    stages = []
+    total_flops = 0
+    for s in stage_spans(recipe):
+        fpt = flops_per_token(config, n_non_emb, s.seq_len)
+        total_flops += fpt * s.tokens
+        stages.append(
+            {
+                "name": s.name,
+                "start_step": s.start_step,
+                "steps": s.steps,
+                "tokens": s.tokens,
+                "seq_len": s.seq_len,
+                "sequences_per_step": s.sequences_per_step,
+                "micro_batch_size": s.micro_batch_size,
+                "mixture": recipe.stages[s.index].mixture,
+                "lr_start": peak * fn(s.start_step),
+                "lr_end": peak * fn(s.end_step - 1),
+                "flops_per_token": fpt,
+            }
+        )
+    return {
+        "params": params,
+        "non_embedding_params": n_non_emb,
+        "total_steps": total_steps(recipe),
+        "total_tokens": sum(s["tokens"] for s in stages),
+        "total_flops": total_flops,
+        "stages": stages,
+        "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
+    }
+
+
+def format_summary(info: dict[str, Any]) -> str:
+    lines = [
+        f"parameters      {info['params']:,} ({info['non_embedding_params']:,} non-embedding)",
+        f"total steps     {info['total_steps']:,}",
+        f"total tokens    {info['total_tokens']:,}",
+        f"total FLOPs     {info['total_flops']:.3e}",
+        "",
+        f"{'stage':<12}{'start':>10}{'steps':>10}{'tokens':>18}{'seq_len':>9}{'seqs/step':>11}{'lr start':>11}"
+        f"{'lr end':>11}  mixture",
+    ]
+    for s in info["stages"]:
+        mix = ", ".join(f"{k}={v:g}" for k, v in s["mixture"].items())
+        lines.append(
+            f"{s['name']:<12}{s['start_step']:>10,}{s['steps']:>10,}{s['tokens']:>18,}{s['seq_len']:>9}"
+            f"{s['sequences_per_step']:>11}{s['lr_start']:>11.3e}{s['lr_end']:>11.3e}  {mix}"
+        )
+    if info["lr_at"]:
+        lines.append("")
+        lines += [f"lr at step {k:>10}: {v:.6e}" for k, v in info["lr_at"].items()]
+    return "\n".join(lines)

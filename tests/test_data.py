@@ -1,0 +1,49 @@
+import numpy as np
+import pytest
+from conftest import write
+
+from pretrainer.data.sources import read_documents, resolve_files
+from pretrainer.data.tokens import split, token_dtype, tokenize, validation_mask
+from pretrainer.errors import DataError
+from pretrainer.sections import SourceSection
+from pretrainer.tokenizer import train_bpe
+
+
+def test_stdlib_source_reads_real_files():
+    src = SourceSection(type="python_stdlib", include=["json/*.py"])
+    files = resolve_files("s", src)
+    assert any(f.name == "decoder.py" for f in files)
+    docs = read_documents("s", src)
+    assert len(docs) == len(files) and any("JSONDecoder" in d for d in docs)
+
+
+def test_local_jsonl_and_text(tmp_path):
+    write(tmp_path / "a.jsonl", '{"body": "hello world"}\n{"body": "second doc"}\n{"body": ""}\n')
+    src = SourceSection(type="files", include=[str(tmp_path / "*.jsonl")], text_field="body")
+    assert read_documents("j", src) == ["hello world", "second doc"]
+    bad = SourceSection(type="files", include=[str(tmp_path / "*.jsonl")], text_field="text")
+    with pytest.raises(DataError, match=r"data.sources.j.text_field: 'text' not in the rows"):
+        read_documents("j", bad)
+
+
+def test_missing_and_empty_sources(tmp_path):
+    with pytest.raises(DataError, match=r"data.sources.m.include: .* matches no files"):
+        read_documents("m", SourceSection(type="files", include=[str(tmp_path / "none/*.txt")]))
+    write(tmp_path / "empty.txt", "")
+    with pytest.raises(DataError, match="data.sources.e"):
+        read_documents("e", SourceSection(type="files", include=[str(tmp_path / "empty.txt")]))
+
+
+def test_tokenize_eos_between_documents_and_split():
+    docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)]
+    tok = train_bpe(docs, vocab_size=300)
+    arr = tokenize(docs, tok)
+    assert arr.tokens.dtype == np.uint16 == token_dtype(len(tok))
+    assert arr.n_docs == 40
+    ends = arr.doc_offsets[1:] - 1
+    assert (arr.tokens[ends] == tok.eos_token_id).all()
+    assert tok.decode(arr.tokens[arr.doc_offsets[3] : arr.doc_offsets[4] - 1].tolist()) == docs[3]
+    train, val = split(arr, 0.1)
+    assert train.n_docs + val.n_docs == 40 and val.n_docs == 4
+    assert validation_mask(40, 0.1).sum() == 4
+    assert token_dtype(70_000) == np.uint32

@@ -1,0 +1,67 @@
+import math
+
+import pytest
+
+from pretrainer.recipe import load_recipe
+from pretrainer.schedules import LRController, cosine, lr_at, wsd
+
+ROOT_1B = "recipes/1b_cosine.yaml"
+
+
+def test_seed_example_cosine_from_transformers():
+    # peak 3e-4, 2,000 warmup, 50,000 total, cosine to 0
+    f = lambda s: 3e-4 * cosine(s, warmup_steps=2000, total_steps=50_000, min_lr_ratio=0.0)  # noqa: E731
+    assert f(500) == pytest.approx(7.5e-5, rel=1e-12)
+    assert f(1000) == pytest.approx(1.5e-4, rel=1e-12)
+    assert f(26_000) == pytest.approx(1.5e-4, rel=1e-9)
+    assert f(0) == 0.0
+    assert f(2000) == pytest.approx(3e-4)
+    assert f(50_000) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_cosine_min_lr_ratio():
+    assert cosine(1000, warmup_steps=10, total_steps=1000, min_lr_ratio=0.1) == pytest.approx(0.1)
+    assert cosine(505, warmup_steps=10, total_steps=1000, min_lr_ratio=0.1) == pytest.approx(0.55)
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_wsd_boundaries(shape):
+    kw = dict(warmup_steps=100, total_steps=1000, decay_steps=200, decay_shape=shape, min_lr_ratio=0.1)
+    assert wsd(0, **kw) == 0.0
+    assert wsd(50, **kw) == pytest.approx(0.5)
+    assert wsd(100, **kw) == 1.0
+    assert wsd(799, **kw) == 1.0  # last stable step
+    assert wsd(800, **kw) == pytest.approx(1.0)  # decay starts at the peak
+    assert wsd(1000, **kw) == pytest.approx(0.1)  # ends at min_lr_ratio
+    values = [wsd(s, **kw) for s in range(800, 1001)]
+    assert all(a >= b for a, b in zip(values, values[1:])), "decay must be monotone"
+
+
+def test_wsd_shapes_midpoint():
+    kw = dict(warmup_steps=0, total_steps=200, decay_steps=100, min_lr_ratio=0.0)
+    assert wsd(150, decay_shape="linear", **kw) == pytest.approx(0.5)
+    assert wsd(150, decay_shape="cosine", **kw) == pytest.approx(0.5)
+    assert wsd(150, decay_shape="1-sqrt", **kw) == pytest.approx(1 - math.sqrt(0.5))
+    assert wsd(125, decay_shape="cosine", **kw) > wsd(125, decay_shape="linear", **kw)
+
+
+def test_recipe_lr_at_cosine_1b():
+    r = load_recipe(ROOT_1B, ["schedule.min_lr_ratio=0.0", "stages.0.steps=50000", "stages.0.tokens=null"])
+    assert lr_at(r, 500) == pytest.approx(7.5e-5)
+    assert lr_at(r, 1000) == pytest.approx(1.5e-4)
+    assert lr_at(r, 26_000) == pytest.approx(1.5e-4)
+
+
+def test_lr_controller_recomputes_on_load():
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
+    fn = lambda s: min(1.0, s / 10)  # noqa: E731
+    c = LRController(opt, fn, peak=2.0)
+    assert opt.param_groups[0]["lr"] == 0.0
+    for _ in range(5):
+        c.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
+    c2 = LRController(opt, fn, peak=2.0)
+    c2.load_state_dict(c.state_dict())
+    assert c2.get_last_lr() == [pytest.approx(1.0)] and c2.step_count == 5
