@@ -43,3 +43,26 @@ def test_vocab_from_tokenizer_and_errors():
         build_config(ModelSection(config=CFG), vocab_size=1000)
     with pytest.raises(RecipeError, match="model.config.model_type"):
         build_config(ModelSection(config={"model_type": "no-such-model"}))
+
+
+def test_stage_rope_changes_rotary_buffers():
+    from pretrainer.model import apply_stage_rope
+    from pretrainer.sections import RopeSection
+
+    cfg = dict(CFG, max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    sec = ModelSection(config=cfg)
+    model = build_model(sec, build_config(sec))
+    ids = torch.randint(0, 512, (1, 48))
+    before_freq = model.model.rotary_emb.inv_freq.clone()
+    before_logits = model(input_ids=ids).logits
+    params = apply_stage_rope(model, RopeSection(theta=500000), seq_len=256)
+    assert params == {"rope_type": "default", "rope_theta": 500000.0}
+    after = model.model.rotary_emb.inv_freq
+    assert after[0] == before_freq[0] and (after[1:] < before_freq[1:]).all()  # lower frequencies, higher base
+    dim = 64 // 4
+    assert torch.allclose(after, 1.0 / (500000.0 ** (torch.arange(0, dim, 2).float() / dim)))
+    assert not torch.allclose(model(input_ids=ids).logits, before_logits)  # the live model really changed
+    assert model.config.max_position_embeddings == 256
+    params = apply_stage_rope(model, RopeSection(yarn={"factor": 4, "original_max_position_embeddings": 64}), 256)
+    assert params["rope_type"] == "yarn" and params["rope_theta"] == 500000.0 and params["factor"] == 4
+    assert model.model.rotary_emb.attention_scaling > 1.0

@@ -46,7 +46,9 @@ def test_wsd_shapes_midpoint():
 
 
 def test_recipe_lr_at_cosine_1b():
-    r = load_recipe(ROOT_1B, ["schedule.min_lr_ratio=0.0", "stages.0.steps=50000", "stages.0.tokens=null"])
+    r = load_recipe(
+        ROOT_1B, ["schedule.min_lr_ratio=0.0", "stages=[{name: main, steps: 50000, seq_len: 2048, mixture: {web: 1}}]"]
+    )
     assert lr_at(r, 500) == pytest.approx(7.5e-5)
     assert lr_at(r, 1000) == pytest.approx(1.5e-4)
     assert lr_at(r, 26_000) == pytest.approx(1.5e-4)

@@ -74,3 +74,47 @@ def flops_per_token(config: PretrainedConfig, n_params_non_embedding: int, seq_l
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     lm_head = config.vocab_size * config.hidden_size
     return 6 * (n_params_non_embedding + lm_head) + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def rope_parameters(config: PretrainedConfig, rope) -> dict[str, Any]:
+    """The config's `rope_parameters` after a stage's RoPE change (theta and/or YaRN)."""
+    current = dict(getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    new = {"rope_type": current.get("rope_type", "default"), "rope_theta": current.get("rope_theta", 10000.0)}
+    if current.get("rope_type", "default") != "default":
+        new.update(current)  # keep an earlier scaling unless this stage sets one
+    if rope.theta is not None:
+        new["rope_theta"] = float(rope.theta)
+    if rope.yarn is not None:
+        new.update({"rope_type": "yarn", **{k: v for k, v in rope.yarn.model_dump().items() if v is not None}})
+    return new
+
+
+def rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "config")]
+
+
+def apply_stage_rope(model: PreTrainedModel, rope, seq_len: int) -> dict[str, Any]:
+    """Change RoPE on the live model: update the config, recompute every rotary module's buffers in place.
+
+    The config travels into `final/config.json`, so the exported model uses the RoPE it was trained with.
+
+    Returns:
+        The new `rope_parameters`.
+    """
+    config = model.config
+    params = rope_parameters(config, rope)
+    config.rope_parameters = params
+    config.max_position_embeddings = max(config.max_position_embeddings, seq_len)
+    mods = rotary_modules(model)
+    if not mods:
+        raise RecipeError(f"stages.rope: model type {config.model_type!r} has no rotary embedding to change")
+    for m in mods:
+        m.config.rope_parameters = params  # the module may hold its own (text) sub-config
+        fresh = type(m)(config=m.config)
+        m.inv_freq.copy_(fresh.inv_freq.to(m.inv_freq.device))
+        if hasattr(m, "original_inv_freq"):
+            m.original_inv_freq.copy_(fresh.original_inv_freq.to(m.original_inv_freq.device))
+        m.attention_scaling = fresh.attention_scaling
+        m.rope_type = fresh.rope_type
+        m.max_seq_len_cached = m.original_max_seq_len = config.max_position_embeddings
+    return params

@@ -12,6 +12,7 @@ import copy
 import difflib
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -73,7 +74,7 @@ def _merge(base: dict, over: dict, origin: str, prov: dict[tuple, str], prefix: 
 
 
 def _load_chain(path: Path, prov: dict[tuple, str], stack: tuple[Path, ...] = ()) -> dict:
-    path = path.resolve() if path.is_absolute() else path
+    path = Path(os.path.normpath(path))
     key = path.resolve()
     if key in [p.resolve() for p in stack]:
         chain = " -> ".join(str(p) for p in stack + (path,))

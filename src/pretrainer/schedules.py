@@ -13,24 +13,33 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from .sections import Recipe, ScheduleSection
-from .stages import total_steps
+from .stages import stage_spans, total_steps
 
 
 def wsd(
-    step: int, *, warmup_steps: int, total_steps: int, decay_steps: int, decay_shape: str, min_lr_ratio: float
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int,
+    decay_shape: str,
+    min_lr_ratio: float,
+    decay_start: int | None = None,
 ) -> float:
-    """Warmup-stable-decay: linear warmup from 0, flat at the peak, then decay over the last `decay_steps` steps.
+    """Warmup-stable-decay: linear warmup from 0, flat at the peak, then decay over `decay_steps` steps.
 
     Args:
         step: global optimizer step (0-based).
         decay_shape: `linear`, `cosine` or `1-sqrt` (Hägele et al. 2024 found 1-sqrt best).
+        decay_start: first decay step; default: the decay is the last `decay_steps` steps of the run.
 
     Returns:
-        The LR multiplier; reaches `min_lr_ratio` at `total_steps`.
+        The LR multiplier; `min_lr_ratio` from the end of the decay on.
     """
     if step < warmup_steps:
         return step / warmup_steps
-    decay_start = total_steps - decay_steps
+    if decay_start is None:
+        decay_start = total_steps - decay_steps
     if step < decay_start:
         return 1.0
     progress = min(1.0, (step - decay_start) / max(1, decay_steps))
@@ -68,7 +77,10 @@ def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
     s, total = recipe.schedule, total_steps(recipe)
     if s.type == "cosine":
         return _transformers_cosine(s.warmup_steps, total, s.min_lr_ratio)
-    decay = wsd_decay_steps(s, total)
+    decay, start = wsd_decay_steps(s, total), None
+    if s.decay_stage is not None:
+        span = next(sp for sp in stage_spans(recipe) if sp.name == s.decay_stage)
+        decay, start = span.steps, span.start_step
 
     def f(step: int) -> float:
         return wsd(
@@ -78,6 +90,7 @@ def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
             decay_steps=decay,
             decay_shape=s.decay_shape,
             min_lr_ratio=s.min_lr_ratio,
+            decay_start=start,
         )
 
     return f

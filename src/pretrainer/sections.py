@@ -79,6 +79,8 @@ class SourceSection(Section):
     streaming: bool = True
     max_documents: int | None = Field(default=None, ge=1)
     """Read at most this many documents (in file order)."""
+    quality: Literal["low", "medium", "high"] = "medium"
+    """How good the source is. An anneal (the `schedule.decay_stage`) should shift weight toward `high` sources."""
 
     @model_validator(mode="after")
     def _fields_for_type(self) -> SourceSection:
@@ -133,6 +135,38 @@ class ScheduleSection(Section):
     """WSD: fraction of all steps spent decaying, at the end of the run."""
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
     """WSD: shape of the decay."""
+    decay_stage: str | None = None
+    """WSD: pin the decay to this stage (typically the anneal) instead of `decay_fraction`."""
+
+
+class YarnSection(Section):
+    factor: float = Field(gt=1)
+    original_max_position_embeddings: int = Field(ge=1)
+    """The context the model was trained at before this stage."""
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+
+
+class RopeSection(Section):
+    """RoPE change applied to the live model at the start of a stage (and kept for the rest of the run)."""
+
+    theta: float | None = Field(default=None, gt=0)
+    """New RoPE base, e.g. 500000 for a long-context stage."""
+    yarn: YarnSection | None = None
+    """YaRN scaling (Peng et al. 2023) on top of the current base."""
+
+    @model_validator(mode="after")
+    def _something(self) -> RopeSection:
+        if self.theta is None and self.yarn is None:
+            raise ValueError("set `theta`, `yarn`, or both")
+        return self
+
+
+class LongDocsSection(Section):
+    min_tokens: int = Field(ge=1)
+    """Documents of at least this many tokens count as long."""
+    upweight: int = Field(default=4, ge=1)
+    """Sequences from long documents are sampled this many times more often."""
 
 
 class StageSection(Section):
@@ -142,7 +176,9 @@ class StageSection(Section):
     """Length of the stage, in optimizer steps or in tokens (rounded up to whole steps)."""
     seq_len: int = Field(ge=8)
     mixture: dict[str, float]
-    """Source name -> sampling weight."""
+    """Source name -> sampling weight (normalized to sum to 1, with a warning when they don't)."""
+    rope: RopeSection | None = None
+    long_docs: LongDocsSection | None = None
 
     @model_validator(mode="after")
     def _length(self) -> StageSection:
@@ -238,18 +274,44 @@ class Recipe(Section):
             raise ValueError(
                 f"schedule.warmup_steps: {self.schedule.warmup_steps} is not below the run's {total} steps"
             )
-        if self.schedule.type == "wsd":
+        if self.schedule.type == "wsd" and self.schedule.decay_stage is None:
             decay = max(1, round(self.schedule.decay_fraction * total))
             if self.schedule.warmup_steps > total - decay:
                 raise ValueError(
                     f"schedule.warmup_steps: warmup ({self.schedule.warmup_steps}) runs into the WSD decay, which "
                     f"starts at step {total - decay} of {total}"
                 )
+        if self.schedule.decay_stage is not None:
+            if self.schedule.type != "wsd":
+                raise ValueError("schedule.decay_stage: only a WSD schedule has a decay to pin to a stage")
+            if self.schedule.decay_stage not in names:
+                raise ValueError(
+                    f"schedule.decay_stage: no stage named {self.schedule.decay_stage!r} (stages: {names})"
+                )
+            k = names.index(self.schedule.decay_stage)
+            start = sum(
+                st.steps if st.steps is not None else -(-st.tokens // self.batch.global_batch_tokens)
+                for st in self.stages[:k]
+            )
+            if self.schedule.warmup_steps > start:
+                raise ValueError(
+                    f"schedule.warmup_steps: warmup ({self.schedule.warmup_steps}) runs into the decay stage "
+                    f"{self.schedule.decay_stage!r}, which starts at step {start}"
+                )
         if self.tokenizer.train and self.tokenizer.train.sources:
             for src in self.tokenizer.train.sources:
                 if src not in self.data.sources:
                     raise ValueError(f"tokenizer.train.sources: {src!r} is not defined in data.sources")
         return self
+
+    def warnings(self) -> list[str]:
+        """Things that are allowed but probably not meant."""
+        out = []
+        for i, st in enumerate(self.stages):
+            total = sum(st.mixture.values())
+            if abs(total - 1.0) > 1e-6:
+                out.append(f"stages.{i}.mixture: weights sum to {total:g}, normalized to 1 (stage {st.name!r})")
+        return out
 
     @property
     def output_dir(self) -> str:

@@ -32,6 +32,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
     stages = []
     total_flops = 0
     for s in stage_spans(recipe):
+        st = recipe.stages[s.index]
         fpt = flops_per_token(config, n_non_emb, s.seq_len)
         total_flops += fpt * s.tokens
         stages.append(
@@ -44,6 +45,8 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
                 "sequences_per_step": s.sequences_per_step,
                 "micro_batch_size": s.micro_batch_size,
                 "mixture": recipe.stages[s.index].mixture,
+                "rope": st.rope.model_dump(exclude_none=True) if st.rope else None,
+                "long_docs": st.long_docs.model_dump() if st.long_docs else None,
                 "lr_start": peak * fn(s.start_step),
                 "lr_end": peak * fn(s.end_step - 1),
                 "flops_per_token": fpt,
@@ -57,6 +60,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
         "total_flops": total_flops,
         "stages": stages,
         "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
+        "warnings": recipe.warnings(),
     }
 
 
@@ -72,10 +76,16 @@ def format_summary(info: dict[str, Any]) -> str:
     ]
     for s in info["stages"]:
         mix = ", ".join(f"{k}={v:g}" for k, v in s["mixture"].items())
+        if s["rope"]:
+            mix += f"  rope={s['rope']}"
+        if s["long_docs"]:
+            mix += f"  long_docs={s['long_docs']}"
         lines.append(
             f"{s['name']:<12}{s['start_step']:>10,}{s['steps']:>10,}{s['tokens']:>18,}{s['seq_len']:>9}"
             f"{s['sequences_per_step']:>11}{s['lr_start']:>11.3e}{s['lr_end']:>11.3e}  {mix}"
         )
+    for w in info["warnings"]:
+        lines.append(f"warning: {w}")
     if info["lr_at"]:
         lines.append("")
         lines += [f"lr at step {k:>10}: {v:.6e}" for k, v in info["lr_at"].items()]

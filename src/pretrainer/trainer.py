@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 
 from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources, validation_batches
 from .errors import PretrainerError
-from .model import build_config, build_model, count_params
+from .model import apply_stage_rope, build_config, build_model, count_params
 from .recipe import dump_recipe, flatten, recipe_dict
 from .schedules import LRController, lr_lambda
 from .sections import Recipe
@@ -82,6 +83,8 @@ class Trainer:
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
         if acc.is_main_process:
             dump_recipe(recipe, self.output_dir / "recipe.resolved.yaml")
+            for w in recipe.warnings():
+                print(f"warning: {w}", file=sys.stderr)
 
         with acc.main_process_first():
             self.tokenizer = get_tokenizer(recipe)
@@ -119,6 +122,16 @@ class Trainer:
         ds["gradient_accumulation_steps"] = self.grad_accum
         ds["train_batch_size"] = self.spans[0].micro_batch_size * self.grad_accum * acc.num_processes
         ds["gradient_clipping"] = self.recipe.clipping.max_grad_norm or 0.0
+
+    def enter_stage(self, prev: int, index: int) -> dict:
+        """Apply the RoPE changes of stages prev+1..index to the live model (all earlier ones when resuming into a
+        later stage), so `final/config.json` carries the RoPE the model was trained with. Returns rope_parameters."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        for k in range(prev + 1, index + 1):
+            stage = self.recipe.stages[k]
+            if stage.rope is not None:
+                apply_stage_rope(unwrapped, stage.rope, stage.seq_len)
+        return dict(unwrapped.config.rope_parameters or {})
 
     # ------------------------------------------------------------------ one optimizer step
 
@@ -201,9 +214,14 @@ class Trainer:
             )
         while step < self.total_steps:
             if span is None or step >= span.end_step:
+                prev = span.index if span is not None else -1
                 span = stage_at(self.spans, step)
                 batcher, cursor = StageBatches(recipe, span, self.sources), 0
-                self.log.event("stage_start", step, stage=span.name, seq_len=span.seq_len, tokens=span.tokens)
+                rope = self.enter_stage(prev, span.index)
+                self.log.event(
+                    "stage_start", step, stage=span.name, seq_len=span.seq_len, tokens=span.tokens, rope=rope,
+                    mixture=recipe.stages[span.index].mixture, long_docs={n: t.n_long for n, t in batcher.tables.items()},
+                )  # fmt: skip
             lr = self.scheduler.get_last_lr()[0]
             batches, cursor, _ = batcher.step_batches(cursor, acc.process_index, acc.num_processes)
             loss, grad_norm = self.train_step(batches)
@@ -223,6 +241,7 @@ class Trainer:
                     "lr": lr,
                     "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                     "tokens_per_s": window_tokens / elapsed,
+                    **{f"data/repeats/{n}": c for n, c in batcher.repeats.items()},
                 }
                 self.log.metrics(step, last)
                 bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{last['tokens_per_s']:.0f}")

@@ -14,9 +14,11 @@ from ..errors import DataError
 from ..sections import Recipe
 from ..stages import StageSpan
 from ..tokenizer import load_tokenizer, trained_tokenizer
+from .packing import WindowTable, long_doc_windows, plain_windows
 from .sampler import MixtureSampler, next_indices
+from .shards import prepare_source
 from .sources import read_documents, source_key
-from .tokens import TokenArrays, load_arrays, save_arrays, split, tokenize, tokenizer_fingerprint, validation_mask
+from .tokens import TokenArrays, load_arrays, tokenizer_fingerprint, validation_mask
 
 
 def used_sources(recipe: Recipe) -> list[str]:
@@ -56,26 +58,22 @@ class SourceData:
     val: TokenArrays
 
 
+def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """Where a source's token files live: keyed by the source's content and the tokenizer."""
+    key = source_key(name, recipe.data.sources[name])
+    return Path(recipe.data.cache_dir) / "tokens" / f"{name}-{key}-{tokenizer_fingerprint(tokenizer)}"
+
+
 def load_sources(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> dict[str, SourceData]:
-    """Token arrays of every used source, tokenized on first use and memory-mapped from the cache after."""
-    fp = tokenizer_fingerprint(tokenizer)
+    """Token arrays of every used source: prepared by `prepare_data.py` when it ran, else tokenized here (the same
+    code with one worker, so both give identical arrays) and memory-mapped from the cache after."""
     out = {}
     for name in used_sources(recipe):
-        src = recipe.data.sources[name]
-        base = Path(recipe.data.cache_dir) / "tokens" / f"{name}-{source_key(name, src)}-{fp}"
-        train, val = load_arrays(base / "train"), load_arrays(base / "val")
-        if train is None or val is None:
-            arrays = tokenize(read_documents(name, src), tokenizer)
-            if arrays.n_docs < 2:
-                raise DataError(
-                    f"data.sources.{name}: needs at least 2 documents, one of them held out for validation"
-                )
-            train, val = split(arrays, recipe.data.validation_fraction)
-            meta = {"source": name, "tokenizer": fp, "vocab_size": len(tokenizer)}
-            save_arrays(train, base / "train", {**meta, "split": "train", "tokens": len(train.tokens)})
-            save_arrays(val, base / "val", {**meta, "split": "val", "tokens": len(val.tokens)})
-            train, val = load_arrays(base / "train"), load_arrays(base / "val")
-        out[name] = SourceData(train, val)
+        base = source_dir(recipe, name, tokenizer)
+        if not (base / "manifest.json").exists():
+            docs = read_documents(name, recipe.data.sources[name])
+            prepare_source(name, docs, tokenizer, base, recipe.data.validation_fraction)
+        out[name] = SourceData(load_arrays(base / "train"), load_arrays(base / "val"))
     return out
 
 
@@ -85,18 +83,27 @@ class StageBatches:
     def __init__(self, recipe: Recipe, span: StageSpan, sources: dict[str, SourceData]):
         self.span = span
         stage = recipe.stages[span.index]
-        sizes = {}
+        self.tables: dict[str, WindowTable] = {}
         for name, w in stage.mixture.items():
             if w <= 0:
                 continue
-            sizes[name] = sources[name].train.num_windows(span.seq_len)
-            if sizes[name] == 0:
+            arr = sources[name].train
+            if stage.long_docs is not None:
+                ld = stage.long_docs
+                table = long_doc_windows(arr, span.seq_len, ld.min_tokens, ld.upweight)
+            else:
+                table = plain_windows(arr, span.seq_len)
+            if table.size == 0:
                 raise DataError(
-                    f"data.sources.{name}: {len(sources[name].train.tokens)} training tokens, fewer than one "
+                    f"data.sources.{name}: {len(arr.tokens)} training tokens, fewer than one "
                     f"sequence of seq_len {span.seq_len} (stage {span.name!r})"
                 )
+            self.tables[name] = table
         self.sources = sources
+        sizes = {n: t.size for n, t in self.tables.items()}
         self.sampler = MixtureSampler(stage.mixture, sizes, seed=recipe.run.seed, stage=span.index)
+        self.repeats = dict.fromkeys(self.tables, 0)
+        """Draws per source that came after the source was exhausted once (repeated data)."""
 
     def step_batches(
         self, cursor: int, rank: int, world: int, skips: list[tuple[int, int]] | None = None
@@ -117,7 +124,10 @@ class StageBatches:
         rows = []
         for i in mine:
             d = self.sampler(i)
-            rows.append(self.sources[d.source].train.window(d.sample, self.span.seq_len))
+            start = self.tables[d.source].start(d.sample)
+            rows.append(self.sources[d.source].train.tokens[start : start + self.span.seq_len])
+            if d.epoch:
+                self.repeats[d.source] += 1
         mb = self.span.micro_batch_size
         batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]
         return batches, new_cursor, (idx[0], idx[-1])

@@ -6,6 +6,7 @@ import glob
 import hashlib
 import json
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DataError
@@ -46,10 +47,18 @@ def source_key(name: str, src: SourceSection) -> str:
 
 
 def read_documents(name: str, src: SourceSection) -> list[str]:
-    """All documents of a source, in a fixed order.
+    """All documents of a source, in a fixed order (see `iter_documents`)."""
+    docs = list(iter_documents(name, src))
+    if not docs:
+        raise DataError(f"data.sources.{name}: no documents with text")
+    return docs
+
+
+def iter_documents(name: str, src: SourceSection) -> Iterator[str]:
+    """The documents of a source, in a fixed order, streamed (hub sources never sit whole in memory).
 
     Raises:
-        DataError: the source is missing, unreadable, lacks its text field, or holds no text.
+        DataError: the source is missing, unreadable, or lacks its text field.
     """
     import datasets
 
@@ -71,15 +80,13 @@ def read_documents(name: str, src: SourceSection) -> list[str]:
     except Exception as e:  # datasets raises many types; the user needs the source name and the reason
         raise DataError(f"data.sources.{name}: cannot read: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     field = "text" if src.type != "hub" and fmt == "text" else src.text_field
-    docs: list[str] = []
+    count = 0
     for row in ds:
         if field not in row:
             raise DataError(f"data.sources.{name}.text_field: {field!r} not in the rows (fields: {sorted(row)})")
         text = row[field]
         if text:
-            docs.append(text)
-        if src.max_documents and len(docs) >= src.max_documents:
-            break
-    if not docs:
-        raise DataError(f"data.sources.{name}: no documents with text")
-    return docs
+            yield text
+            count += 1
+        if src.max_documents and count >= src.max_documents:
+            return
