@@ -1,0 +1,53 @@
+"""Tokens per second the token files + mixture sampler deliver, per stage, on one core (no training).
+
+    python scripts/bench_data.py recipes/tiny.yaml --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pretrainer.cli import run_main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of batches to build per stage")
+    p.add_argument("--start", type=int, default=0, help="sample cursor to start from (e.g. 1000000000)")
+    p.add_argument("--debug", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def run() -> int:
+        import torch
+
+        from pretrainer.data.pipeline import StageBatches, get_tokenizer, load_sources
+        from pretrainer.recipe import load_recipe
+        from pretrainer.stages import stage_spans
+
+        torch.set_num_threads(1)
+        recipe = load_recipe(args.recipe, args.overrides)
+        sources = load_sources(recipe, get_tokenizer(recipe))
+        for span in stage_spans(recipe):
+            batches = StageBatches(recipe, span, sources)
+            cursor, t0 = args.start, time.perf_counter()
+            for _ in range(args.steps):
+                _, cursor, _ = batches.step_batches(cursor, 0, 1)
+            dt = time.perf_counter() - t0
+            tokens = args.steps * span.tokens_per_step
+            print(json.dumps({"stage": span.name, "seq_len": span.seq_len, "tokens": tokens,
+                              "seconds": round(dt, 4), "tokens_per_s": round(tokens / dt)}))  # fmt: skip
+        return 0
+
+    return run_main(run, debug=args.debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
