@@ -1,6 +1,6 @@
 """Tokens per second the token files + mixture sampler deliver, per stage, on one core (no training).
 
-    python scripts/bench_data.py recipes/tiny.yaml --steps 200
+python scripts/bench_data.py recipes/tiny.yaml --steps 200
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
     python scripts/run_recipe.py recipes/tiny.yaml
     accelerate launch --config_file accelerate_configs/zero3.yaml scripts/run_recipe.py recipes/1b_wsd.yaml \
         --set run.name=my-exp --output-dir runs/my-exp
+    python scripts/run_recipe.py recipes/tiny.yaml --resume auto         # continue after a crash or preemption
+    python scripts/run_recipe.py recipes/tiny.yaml --branch-decay-from runs/tiny/checkpoints/step_00000100 \
+        --decay-steps 20 --output-dir runs/tiny-decay-100               # WSD: a decay branched off the stable phase
+
+Exit codes: 0 done; 2 bad input; 74 a checkpoint could not be written; 75 preempted (SIGTERM/SIGINT) after saving
+a checkpoint: run again with --resume auto.
 """
 
 from __future__ import annotations
@@ -24,6 +30,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="override a recipe field, value parsed as YAML (repeatable)",
     )
     p.add_argument("--output-dir", help="run directory (default: run.output_dir or runs/<run.name>)")
+    p.add_argument(
+        "--resume",
+        default="none",
+        metavar="auto|PATH|none",
+        help="auto: the newest checkpoint in the output dir that verifies; PATH: that checkpoint",
+    )
+    p.add_argument(
+        "--allow-recipe-change",
+        action="store_true",
+        help="resume even though the recipe differs from the checkpoint's (the differences are logged)",
+    )
+    p.add_argument(
+        "--branch-decay-from",
+        metavar="CHECKPOINT",
+        help="WSD: run a decay of --decay-steps from this stable-phase checkpoint into --output-dir",
+    )
+    p.add_argument("--decay-steps", type=int, help="length of the branched decay, in steps")
     p.add_argument("--overwrite", action="store_true", help="start over in an output dir that holds a run")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
@@ -37,7 +60,17 @@ def main(argv=None) -> int:
         from pretrainer.trainer import Trainer
 
         recipe = load_recipe(args.recipe, args.overrides)
-        Trainer(recipe, output_dir=args.output_dir, overwrite=args.overwrite).train()
+        resume, allow = args.resume, args.allow_recipe_change
+        if args.branch_decay_from:
+            from pretrainer.checkpoint import read_meta
+            from pretrainer.errors import PretrainerError
+            from pretrainer.stages import branch_decay_recipe
+
+            if not args.decay_steps or not args.output_dir:
+                raise PretrainerError("--branch-decay-from needs --decay-steps N and a new --output-dir")
+            recipe = branch_decay_recipe(recipe, read_meta(args.branch_decay_from)["step"], args.decay_steps)
+            resume, allow = args.branch_decay_from, True
+        Trainer(recipe, args.output_dir, args.overwrite, resume=resume, allow_recipe_change=allow).train()
         return 0
 
     return run_main(run, debug=args.debug)

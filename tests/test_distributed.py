@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from pretrainer.tracking import read_jsonl
@@ -35,3 +36,41 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     assert val[-1] < val[0] - 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # gathered from ZeRO-3 shards
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    losses = {}
+    for m in read_jsonl(out / "metrics.jsonl"):
+        for s, v in m.get("step_losses", []):
+            losses[s] = v
+    return losses
+
+
+@pytest.mark.distributed
+def test_zero3_save_kill_resume_export(tmp_path, cache_dir):
+    ckpt = ["--set", "checkpoint.every_tokens=8192", "--set", "eval.every_steps=0"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert launch("zero3.yaml", ref, cache_dir, *ckpt).returncode == 0
+    os.environ["PRETRAINER_KILL_AT"] = "step:13"  # both ranks die by SIGKILL after step 13
+    try:
+        proc = launch("zero3.yaml", out, cache_dir, *ckpt)
+    finally:
+        del os.environ["PRETRAINER_KILL_AT"]
+    assert proc.returncode != 0
+    proc = launch("zero3.yaml", out, cache_dir, *ckpt, "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resume = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "resume"]
+    assert resume and resume[0]["step"] == 8
+    a, b = step_losses(ref), step_losses(out)
+    assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) <= 1e-6
+
+    from pretrainer.checkpoint import list_checkpoints
+    from pretrainer.export import export_checkpoint
+
+    last = list_checkpoints(out / "checkpoints")[-1].path
+    assert any(last.rglob("*optim_states.pt")), "expected DeepSpeed ZeRO shards"
+    export_checkpoint(last, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    for k, v in final.state_dict().items():
+        assert torch.allclose(model.state_dict()[k], v), k

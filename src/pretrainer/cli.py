@@ -14,5 +14,8 @@ def run_main(fn: Callable[[], int], debug: bool = False) -> int:
     except PretrainerError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        first, *rest = str(e).splitlines() or [""]
+        print(f"error: {first}", file=sys.stderr)
+        for line in rest:  # a list of differences, one per line
+            print(line, file=sys.stderr)
         return e.exit_code

@@ -207,6 +207,34 @@ class ClippingSection(Section):
     """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still logged)."""
 
 
+class CheckpointSection(Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True)
+
+    every_minutes: float | None = Field(default=30.0, gt=0)
+    """Save when this much wall clock has passed since the last save (checked on logging steps)."""
+    every_tokens: int | None = Field(default=None, ge=1)
+    """Save each time the token count crosses a multiple of this. Whichever trigger comes first wins."""
+    at_stage_end: bool = True
+    keep_last: int = 3
+    """Newest checkpoints kept. At least 2: with one, a save that dies half-way or a spike just after it leaves
+    nothing good to go back to."""
+    keep_every_tokens: int | None = Field(default=None, ge=1)
+    """Also keep the first checkpoint past each multiple of this many tokens (milestones, never pruned)."""
+    async_: bool = Field(default=False, alias="async")
+    """Snapshot state to CPU memory and write it in the background; the loop blocks only for the snapshot.
+    (DeepSpeed and FSDP save synchronously: their states are sharded across ranks.)"""
+
+    @field_validator("keep_last")
+    @classmethod
+    def _at_least_two(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(
+                f"must be >= 2 (got {v}): with a single checkpoint, a save that dies half-way or a loss spike right "
+                "after it leaves nothing good to resume or roll back to"
+            )
+        return v
+
+
 class EvalSection(Section):
     every_steps: int = Field(default=100, ge=0)
     """0 disables periodic evaluation (the final evaluation still runs)."""
@@ -233,6 +261,7 @@ class Recipe(Section):
     stages: list[StageSection]
     precision: PrecisionSection = Field(default_factory=PrecisionSection)
     clipping: ClippingSection = Field(default_factory=ClippingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
 

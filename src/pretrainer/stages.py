@@ -79,3 +79,28 @@ def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
             f"{micro_tokens} tokens, which does not divide over {world_size} processes"
         )
     return per_step // world_size
+
+
+def branch_decay_recipe(recipe: Recipe, from_step: int, decay_steps: int) -> Recipe:
+    """A recipe that ends `decay_steps` after `from_step`, decaying (WSD) over exactly those steps.
+
+    The stage holding `from_step` is cut to end there plus the decay; later stages are dropped. Used to branch an
+    anneal off any stable-phase checkpoint without touching the original run.
+    """
+    from .errors import RecipeError
+
+    if recipe.schedule.type != "wsd":
+        raise RecipeError("--branch-decay-from: only a WSD schedule has a stable phase to branch a decay from")
+    spans = stage_spans(recipe)
+    span = stage_at(spans, from_step)
+    data = recipe.model_dump(mode="json")
+    stage = dict(data["stages"][span.index], steps=from_step - span.start_step + decay_steps, tokens=None)
+    data["stages"] = data["stages"][: span.index] + [stage]
+    total = span.start_step + stage["steps"]
+    data["schedule"].update(decay_stage=None, decay_fraction=decay_steps / total)
+    out = Recipe.model_validate(data)
+    from .schedules import wsd_decay_steps
+
+    if wsd_decay_steps(out.schedule, total) != decay_steps:  # float rounding must not move the decay by a step
+        raise RecipeError(f"--decay-steps: {decay_steps} cannot be represented over {total} steps")
+    return out

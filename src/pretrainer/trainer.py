@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
-import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sourc
 from .errors import PretrainerError
 from .model import apply_stage_rope, build_config, build_model, count_params
 from .recipe import dump_recipe, flatten, recipe_dict
+from .runstate import CheckpointManager, Preempted, RunState, _PreemptFlag, _Window, debug_kill_point
 from .schedules import LRController, lr_lambda
 from .sections import Recipe
 from .stages import grad_accum_steps, stage_at, stage_spans, total_steps
@@ -56,18 +58,27 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 class Trainer:
     """Runs a recipe. `Trainer(recipe).train()` is the whole program."""
 
-    def __init__(self, recipe: Recipe, output_dir: str | Path | None = None, overwrite: bool = False):
+    def __init__(
+        self,
+        recipe: Recipe,
+        output_dir: str | Path | None = None,
+        overwrite: bool = False,
+        resume: str = "none",
+        allow_recipe_change: bool = False,
+    ):
         self.recipe = recipe
         self.output_dir = Path(output_dir or recipe.output_dir)
-        if (self.output_dir / "metrics.jsonl").exists():
+        self.resume_spec, self.allow_recipe_change = resume, allow_recipe_change
+        if (self.output_dir / "metrics.jsonl").exists() and resume == "none":
             if not overwrite:
                 raise PretrainerError(
-                    f"{self.output_dir}: already holds a run (metrics.jsonl); choose another --output-dir or pass "
-                    f"--overwrite to start over"
+                    f"{self.output_dir}: already holds a run (metrics.jsonl); continue it with --resume auto, choose "
+                    f"another --output-dir, or pass --overwrite to start over"
                 )
             if int(os.environ.get("RANK", "0")) == 0:
                 for name in ("metrics.jsonl", "events.jsonl"):
                     (self.output_dir / name).unlink(missing_ok=True)
+                shutil.rmtree(self.output_dir / "checkpoints", ignore_errors=True)
         self.spans = stage_spans(recipe)
         self.total_steps = total_steps(recipe)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -108,9 +119,12 @@ class Trainer:
             model = torch.compile(model)
         self._configure_deepspeed()
         self.model, self.optimizer = acc.prepare(model, optimizer)
+        # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
         self.scheduler = LRController(self.optimizer, lr_lambda(recipe), opt.lr)
-        acc.register_for_checkpointing(self.scheduler)
         self.max_norm = recipe.clipping.max_grad_norm or math.inf
+        self.recent_losses: deque[float] = deque(maxlen=256)
+        self.state = RunState()
+        self.ckpt = CheckpointManager(self)
 
     def _configure_deepspeed(self) -> None:
         """The recipe, not the launcher config, decides micro batch, accumulation and clipping."""
@@ -192,71 +206,105 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def train(self) -> dict[str, float]:
-        """Train through every stage, evaluate, and export `final/`. Returns the last logged metrics."""
+        """Train through every stage (resuming if asked), checkpointing and evaluating, then export `final/`.
+
+        Returns:
+            The last logged metrics.
+
+        Raises:
+            Preempted: SIGTERM/SIGINT arrived; a checkpoint was saved first.
+        """
         acc, recipe = self.accelerator, self.recipe
         acc.init_trackers(
             recipe.logging.project,
             config=flatten(recipe_dict(recipe)),
             init_kwargs={"wandb": {"name": recipe.run.name, "dir": str(self.output_dir)}},
         )
-        self.log.event("run_start", 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes)
-        step, tokens, cursor, span, batcher = 0, 0, 0, None, None
+        st = self.state = RunState()
+        resumed = self.ckpt.resume(self.resume_spec, self.allow_recipe_change)
+        if not resumed:
+            self.log.event("run_start", 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes)
+        span, batcher = None, None
         last: dict[str, float] = {}
-        bar = tqdm(total=self.total_steps, initial=step, disable=not acc.is_local_main_process, desc="train")
-        window_loss = torch.zeros((), device=acc.device)
-        window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+        bar = tqdm(total=self.total_steps, initial=st.step, disable=not acc.is_local_main_process, desc="train")
         log_every, eval_every = recipe.logging.every_steps, recipe.eval.every_steps
-        if eval_every:
+        if eval_every and not resumed:
             # The baseline at initialisation: every later validation loss is read against it.
             first = self.spans[0]
             self.log.metrics(
                 0, {"tokens": 0, "stage": first.name, **self.evaluate(first.seq_len, first.micro_batch_size)}
             )
-        while step < self.total_steps:
-            if span is None or step >= span.end_step:
-                prev = span.index if span is not None else -1
-                span = stage_at(self.spans, step)
-                batcher, cursor = StageBatches(recipe, span, self.sources), 0
+        self.preempt = _PreemptFlag()
+        window = _Window(acc.device)
+        self.ckpt.mark_clock()
+        while st.step < self.total_steps:
+            if span is None or st.step >= span.end_step:
+                prev = span.index if span is not None else (st.applied_stage if resumed else -1)
+                span = stage_at(self.spans, st.step)
+                batcher = StageBatches(recipe, span, self.sources)
+                if span.index != st.stage_index:
+                    st.stage_index, st.cursor = span.index, 0
                 rope = self.enter_stage(prev, span.index)
-                self.log.event(
-                    "stage_start", step, stage=span.name, seq_len=span.seq_len, tokens=span.tokens, rope=rope,
-                    mixture=recipe.stages[span.index].mixture, long_docs={n: t.n_long for n, t in batcher.tables.items()},
-                )  # fmt: skip
+                st.applied_stage = span.index
+                if not (resumed and prev == span.index):
+                    self.log.event(
+                        "stage_start", st.step, stage=span.name, seq_len=span.seq_len, tokens=span.tokens, rope=rope,
+                        mixture=recipe.stages[span.index].mixture,
+                        long_docs={n: t.n_long for n, t in batcher.tables.items() if t.n_long},
+                    )  # fmt: skip
             lr = self.scheduler.get_last_lr()[0]
-            batches, cursor, _ = batcher.step_batches(cursor, acc.process_index, acc.num_processes)
+            skips = st.skips_for(span.index)
+            batches, st.cursor, consumed = batcher.step_batches(st.cursor, acc.process_index, acc.num_processes, skips)
             loss, grad_norm = self.train_step(batches)
-            step += 1
-            tokens += span.tokens_per_step
-            window_loss += loss
-            window_steps += 1
-            window_tokens += span.tokens_per_step
+            tokens_before = st.tokens
+            st.step += 1
+            st.tokens += span.tokens_per_step
+            window.add(st.step, loss, span.tokens_per_step)
+            debug_kill_point(f"step:{st.step}")
             bar.update(1)
-            if step % log_every == 0 or step == self.total_steps:
-                mean_loss = acc.reduce(window_loss / window_steps, reduction="mean").item()
-                elapsed = time.perf_counter() - window_start
-                last = {
-                    "tokens": tokens,
-                    "stage": span.name,
-                    "loss": mean_loss,
-                    "lr": lr,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                    "tokens_per_s": window_tokens / elapsed,
-                    **{f"data/repeats/{n}": c for n, c in batcher.repeats.items()},
-                }
-                self.log.metrics(step, last)
-                bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{last['tokens_per_s']:.0f}")
-                window_loss.zero_()
-                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-            if (eval_every and step % eval_every == 0) or step == self.total_steps:
+            log_now = st.step % log_every == 0 or st.step == self.total_steps
+            reason = self.ckpt.due(tokens_before, st.tokens, st.step == span.end_step, log_now)
+            if self.preempt.check(acc, log_now):
+                reason = "preempt"
+            if log_now or reason:
+                last = self._log_window(window, span, lr, grad_norm, batcher)
+                bar.set_postfix(loss=f"{last['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{last['tokens_per_s']:.0f}")
+            if (eval_every and st.step % eval_every == 0) or st.step == self.total_steps:
                 vals = self.evaluate(span.seq_len, span.micro_batch_size)
-                self.log.metrics(step, {"tokens": tokens, "stage": span.name, **vals})
+                self.log.metrics(st.step, {"tokens": st.tokens, "stage": span.name, **vals})
                 last.update(vals)
-                window_start = time.perf_counter()  # eval time is not training throughput
+                window.reset_clock()  # eval time is not training throughput
+            if reason or st.step == self.total_steps:
+                self.ckpt.save(reason or "end")
+                window.reset_clock()
+            if reason == "preempt":
+                self.ckpt.finish()
+                bar.close()
+                raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
         bar.close()
+        self.ckpt.finish()
         self.save_final()
-        self.log.event("run_end", step, tokens=tokens)
+        self.log.event("run_end", st.step, tokens=st.tokens)
         acc.end_training()
         return last
+
+    def _log_window(self, window: _Window, span, lr: float, grad_norm, batcher) -> dict:
+        """One metrics line: the window's mean loss plus every step's loss (one host sync for all of them)."""
+        acc, st = self.accelerator, self.state
+        steps, losses = window.flush(acc)
+        self.recent_losses.extend(losses)
+        record = {
+            "tokens": st.tokens,
+            "stage": span.name,
+            "loss": sum(losses) / len(losses),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "tokens_per_s": window.tokens_per_s(),
+            "step_losses": [[s, v] for s, v in zip(steps, losses)],
+            **{f"data/repeats/{n}": c for n, c in batcher.repeats.items()},
+        }
+        self.log.metrics(st.step, record)
+        return record
 
     def save_final(self) -> Path:
         """`final/`: save_pretrained model (safetensors) + tokenizer, loadable by AutoModelForCausalLM."""

@@ -1,0 +1,36 @@
+"""Export a checkpoint as a Hugging Face model (safetensors + tokenizer), ZeRO-3 shards included.
+
+python scripts/export_checkpoint.py runs/tiny/checkpoints/step_00000150 exported/tiny-150
+python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exported/tiny-150')"
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pretrainer.cli import run_main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--debug", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def run() -> int:
+        from pretrainer.export import export_checkpoint
+
+        print(export_checkpoint(args.checkpoint, args.out, args.dtype))
+        return 0
+
+    return run_main(run, debug=args.debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

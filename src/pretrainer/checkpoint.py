@@ -1,0 +1,277 @@
+"""Checkpoints you can trust: when to save, atomic saves, manifest, verification, retention, pick-for-resume.
+
+A checkpoint is `checkpoints/step_00001000/`: Accelerate's `save_state` (model, optimizer, RNG; DeepSpeed/FSDP shards
+included) plus `meta.json` (our state) plus `manifest.json` (size and sha256 of every file), written into a hidden
+temporary directory and renamed into place after the manifest. A directory without a valid manifest is never resumed
+from. All state is read from `meta.json`, never parsed out of directory names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import PretrainerError
+
+MANIFEST = "manifest.json"
+META = "meta.json"
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(PretrainerError):
+    """A checkpoint could not be written (disk full, permissions): earlier checkpoints are intact."""
+
+    exit_code = 74  # EX_IOERR
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path) -> dict:
+    """Hash every file (the manifest itself excluded) and write the manifest last, durably."""
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+            files[str(p.relative_to(directory))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    manifest = {"files": files, "created": time.time()}
+    tmp = directory / (MANIFEST + ".part")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(directory / MANIFEST)
+    return manifest
+
+
+def _finite_problems(directory: Path) -> list[str]:
+    """Non-finite values in the saved weights and optimizer state (formats loaded without executing code)."""
+    from safetensors import safe_open
+
+    problems = []
+    for f in sorted(directory.glob("model*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    problems.append(f"{f.name}: {k} has non-finite values")
+    for f in sorted(directory.glob("optimizer*.bin")):
+        try:
+            state = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # unreadable is a problem too
+            problems.append(f"{f.name}: unreadable ({type(e).__name__})")
+            continue
+        for pid, s in state.get("state", {}).items():
+            for name, t in s.items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    problems.append(f"{f.name}: param {pid} {name} has non-finite values")
+    return problems
+
+
+def verify(directory: str | Path, deep: bool = True) -> list[str]:
+    """Problems with a checkpoint; empty means it can be resumed from.
+
+    Args:
+        deep: also hash every file and check weights and optimizer state for NaN/inf.
+    """
+    d = Path(directory)
+    if not (d / MANIFEST).exists():
+        return ["no manifest (the save never finished)"]
+    if not (d / META).exists():
+        return ["no meta.json"]
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+        json.loads((d / META).read_text())
+    except (json.JSONDecodeError, OSError) as e:
+        return [f"unreadable manifest or meta: {e}"]
+    problems = []
+    for rel, info in manifest["files"].items():
+        p = d / rel
+        if not p.exists():
+            problems.append(f"{rel}: missing")
+        elif p.stat().st_size != info["size"]:
+            problems.append(f"{rel}: size {p.stat().st_size} != {info['size']} (truncated?)")
+        elif deep and _sha256(p) != info["sha256"]:
+            problems.append(f"{rel}: sha256 mismatch (corrupted)")
+    if deep and not problems:
+        problems += _finite_problems(d)
+    return problems
+
+
+def read_meta(directory: str | Path) -> dict:
+    return json.loads((Path(directory) / META).read_text())
+
+
+@dataclass
+class Candidate:
+    path: Path
+    meta: dict
+
+
+def list_checkpoints(root: Path) -> list[Candidate]:
+    """Finished checkpoints (those with a manifest), oldest first by the step in their meta.json."""
+    out = []
+    if not root.exists():
+        return out
+    for d in root.iterdir():
+        if d.is_dir() and not d.name.startswith(TMP_PREFIX) and (d / MANIFEST).exists() and (d / META).exists():
+            try:
+                out.append(Candidate(d, read_meta(d)))
+            except (json.JSONDecodeError, OSError):
+                continue
+    return sorted(out, key=lambda c: (c.meta["step"], c.meta.get("saved_at", 0)))
+
+
+def newest_valid(root: Path) -> tuple[Candidate | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies, and the newer ones skipped with the reason."""
+    skipped = []
+    for c in reversed(list_checkpoints(root)):
+        problems = verify(c.path)
+        if not problems:
+            return c, skipped
+        skipped.append((c.path, "; ".join(problems[:3])))
+    return None, skipped
+
+
+def incomplete_dirs(root: Path) -> list[Path]:
+    if not root.exists():
+        return []
+    return [d for d in root.iterdir() if d.is_dir() and (d.name.startswith(TMP_PREFIX) or not (d / MANIFEST).exists())]
+
+
+def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | None, protected: set[str]) -> set[Path]:
+    """Retention, as a pure function: the newest `keep_last`, milestones, protected ones."""
+    keep = {c.path for c in cands[-keep_last:]}
+    if keep_every_tokens:
+        seen: set[int] = set()
+        for c in cands:  # the first checkpoint at or past each multiple of keep_every_tokens
+            k = c.meta["tokens"] // keep_every_tokens
+            if k > 0 and k not in seen:
+                seen.add(k)
+                keep.add(c.path)
+    keep |= {c.path for c in cands if c.path.name in protected}
+    return keep
+
+
+class Snapshot:
+    """A CPU copy of model + optimizer + RNG state, taken synchronously, written by a background thread."""
+
+    def __init__(self, accelerator, model, optimizer):
+        def cpu(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach().to("cpu", copy=True)
+            if isinstance(x, dict):
+                return type(x)((k, cpu(v)) for k, v in x.items())
+            if isinstance(x, list | tuple):
+                return type(x)(cpu(v) for v in x)
+            return x
+
+        self.model_state = cpu(accelerator.get_state_dict(model, unwrap=True))
+        self.optimizer_state = cpu(optimizer.state_dict())
+        import random
+
+        import numpy as np
+
+        self.rng = {
+            "step": 0,
+            "random_state": random.getstate(),
+            "numpy_random_seed": np.random.get_state(),
+            "torch_manual_seed": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            self.rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+
+    def write(self, directory: Path, process_index: int) -> None:
+        """The same files, names and formats as Accelerate's save_state, so load_state reads them."""
+        from accelerate.checkpointing import save_accelerator_state
+
+        class _Opt:
+            def __init__(self, s):
+                self.s = s
+
+            def state_dict(self):
+                return self.s
+
+        save_accelerator_state(str(directory), [self.model_state], [_Opt(self.optimizer_state)], [], [], process_index,
+                               0, None, safe_serialization=True)  # fmt: skip
+        torch.save(self.rng, directory / f"random_states_{process_index}.pkl")
+
+
+class BackgroundWriter:
+    """At most one checkpoint write in flight; `wait()` joins it and re-raises its error."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def submit(self, fn) -> None:
+        self.wait()
+
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # surfaced on the training thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+
+def due(
+    every_tokens: int | None, every_minutes: float | None, tokens_before: int, tokens_now: int, minutes_since: float
+) -> str | None:
+    """Why a checkpoint is due after a step, or None. Pure: tokens crossed a multiple, or the clock ran out."""
+    if every_tokens and tokens_now // every_tokens > tokens_before // every_tokens:
+        return "tokens"
+    if every_minutes is not None and minutes_since >= every_minutes:
+        return "time"
+    return None
+
+
+def finite_or_nan(x: float | None) -> float:
+    return x if x is not None and math.isfinite(x) else float("nan")
+
+
+def remove_dir(path: Path) -> str | None:
+    """Delete a directory; return the error instead of raising (a failed delete must not kill a run)."""
+    try:
+        shutil.rmtree(path)
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def fsync_dir(path: Path) -> None:
+    _fsync_dir(path)

@@ -1,0 +1,52 @@
+"""Export any checkpoint (single-process, DDP, FSDP or DeepSpeed ZeRO shards) as a `save_pretrained` model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from .checkpoint import read_meta, verify
+from .errors import PretrainerError
+
+
+def checkpoint_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of a checkpoint, gathered from ZeRO shards when DeepSpeed wrote it."""
+    single = sorted(ckpt.glob("model*.safetensors"))
+    if single:
+        state: dict[str, torch.Tensor] = {}
+        for f in single:
+            state.update(load_file(str(f)))
+        return state
+    zero_dirs = [d for d in ckpt.iterdir() if d.is_dir() and (d / "latest").exists()] + (
+        [ckpt] if (ckpt / "latest").exists() else []
+    )
+    if zero_dirs:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(zero_dirs[0]))
+    raise PretrainerError(f"{ckpt}: no model weights found (model*.safetensors or a DeepSpeed checkpoint)")
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write `out/` with config (RoPE as trained), safetensors weights and the tokenizer."""
+    ckpt, out = Path(ckpt), Path(out)
+    if problems := verify(ckpt):
+        raise PretrainerError(f"{ckpt}: does not verify: {'; '.join(problems[:3])}")
+    meta = read_meta(ckpt)
+    cfg = dict(meta["model_config"])
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = checkpoint_state_dict(ckpt)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # tied heads are stored once
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise PretrainerError(f"{ckpt}: weights missing for {missing[:5]}")
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(ckpt / "tokenizer").save_pretrained(out)
+    return out
