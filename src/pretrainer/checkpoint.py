@@ -181,9 +181,15 @@ class Snapshot:
     """A CPU copy of model + optimizer + RNG state, taken synchronously, written by a background thread."""
 
     def __init__(self, accelerator, model, optimizer):
+        copies: dict[int, torch.Tensor] = {}
+
         def cpu(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
-                return x.detach().to("cpu", copy=True)
+                # Tied weights share storage: copy once, so the file stores them once (as save_state does).
+                key = x.untyped_storage().data_ptr()
+                if key not in copies:
+                    copies[key] = x.detach().to("cpu", copy=True)
+                return copies[key] if copies[key].shape == x.shape else x.detach().to("cpu", copy=True)
             if isinstance(x, dict):
                 return type(x)((k, cpu(v)) for k, v in x.items())
             if isinstance(x, list | tuple):

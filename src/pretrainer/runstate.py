@@ -213,7 +213,7 @@ class CheckpointManager:
             self._fail(tmp, name, e)
         acc.wait_for_everyone()
         if acc.is_main_process:
-            self._finish_write(tmp, final, meta, reason, time.perf_counter() - t0, t0)
+            self._finish_write(tmp, final, meta, reason, None, t0)
         acc.wait_for_everyone()
         self.mark_clock()
         return final
@@ -234,7 +234,8 @@ class CheckpointManager:
             f"checkpoint {name} could not be written ({e.strerror or e}); earlier checkpoints in {self.root} are intact"
         ) from None
 
-    def _finish_write(self, tmp: Path, final: Path, meta: dict, reason: str, blocked: float, t0: float) -> None:
+    def _finish_write(self, tmp: Path, final: Path, meta: dict, reason: str, blocked: float | None, t0: float) -> None:
+        """Meta, tokenizer, manifest (last), rename. `blocked`: seconds the loop waited (None: all of it)."""
         try:
             (tmp / ck.META).write_text(json.dumps(meta, indent=1))
             self.t.tokenizer.save_pretrained(tmp / "tokenizer")
@@ -248,7 +249,8 @@ class CheckpointManager:
             self._fail(tmp, final.name, e)
         self.t.log.event(
             "checkpoint", meta["step"], path=str(final), reason=reason, tokens=meta["tokens"],
-            blocked_s=round(blocked, 4), total_s=round(time.perf_counter() - t0, 4),
+            blocked_s=round(time.perf_counter() - t0 if blocked is None else blocked, 4),
+            total_s=round(time.perf_counter() - t0, 4),
             bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
         )  # fmt: skip
         self.prune()
