@@ -101,10 +101,16 @@ def apply_stage_rope(model: PreTrainedModel, rope, seq_len: int) -> dict[str, An
     Returns:
         The new `rope_parameters`.
     """
+    params = rope_parameters(model.config, rope)
+    set_rope(model, params, max(model.config.max_position_embeddings, seq_len))
+    return params
+
+
+def set_rope(model: PreTrainedModel, params: dict[str, Any], max_positions: int) -> None:
+    """Set `rope_parameters` and recompute every rotary module's buffers in place."""
     config = model.config
-    params = rope_parameters(config, rope)
-    config.rope_parameters = params
-    config.max_position_embeddings = max(config.max_position_embeddings, seq_len)
+    config.rope_parameters = dict(params)
+    config.max_position_embeddings = max_positions
     mods = rotary_modules(model)
     if not mods:
         raise RecipeError(f"stages.rope: model type {config.model_type!r} has no rotary embedding to change")
@@ -117,4 +123,3 @@ def apply_stage_rope(model: PreTrainedModel, rope, seq_len: int) -> dict[str, An
         m.attention_scaling = fresh.attention_scaling
         m.rope_type = fresh.rope_type
         m.max_seq_len_cached = m.original_max_seq_len = config.max_position_embeddings
-    return params

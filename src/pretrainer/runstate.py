@@ -19,6 +19,7 @@ from accelerate.utils import DistributedType
 from . import checkpoint as ck
 from .errors import PretrainerError
 from .recipe import flatten, recipe_dict, recipe_hash
+from .recovery import read_ledger
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -181,7 +182,7 @@ class CheckpointManager:
                 "min": min(finite) if finite else None,
                 "max": max(finite) if finite else None,
             },
-            "detector": getattr(t, "detector_state", lambda: None)(),
+            "spikes": t.spikes.state_dict() if t.spikes else None,
         }
 
     def save(self, reason: str) -> Path:
@@ -304,6 +305,11 @@ class CheckpointManager:
                     print("resume: no valid checkpoint, starting from scratch", flush=True)
                 return False
             path = cand.path
+            ledger = read_ledger(t.output_dir)
+            pend = (ledger or {}).get("pending")
+            if pend and cand.meta["step"] > pend["onset"] - 2 and not ck.verify(Path(pend["target"])):
+                # killed during a replay: the newest checkpoint may hold the spike; go back to the episode's target
+                path = Path(pend["target"])
         else:
             path = Path(spec)
             if problems := ck.verify(path):
@@ -314,19 +320,33 @@ class CheckpointManager:
             raise PretrainerError(
                 f"--resume {path}: saved by {meta['world_size']} DeepSpeed processes, now {acc.num_processes}"
             )
-        acc.load_state(str(path))
+        self.restore(path)
+        t.state.applied_stage = -1  # the fresh model has no stage RoPE yet; entering the stage applies all up to it
+        ledger = read_ledger(t.output_dir)
+        if ledger:  # the run directory's ledger may be newer than the checkpoint (killed during a replay)
+            t.state.skips = sorted([list(x) for x in {tuple(x) for x in t.state.skips + ledger["skips"]}])
+            if t.spikes:
+                t.spikes.pending = ledger.get("pending")
+                t.spikes.rollback_steps = sorted(set(t.spikes.rollback_steps) | set(ledger.get("rollbacks", [])))
+        t.log.event("resume", t.state.step, path=str(path), tokens=t.state.tokens, stage=meta["stage"],
+                    cursor=t.state.cursor, skips=t.state.skips)  # fmt: skip
+        if acc.is_main_process:
+            print(f"resume: from {path} at step {t.state.step}", flush=True)
+        return True
+
+    def restore(self, path: Path) -> dict:
+        """Load model/optimizer/RNG and the run state of a checkpoint (used by resume and by rollback)."""
+        t = self.t
+        meta = ck.read_meta(path)
+        t.accelerator.load_state(str(path))
         st = t.state
         for k in ("step", "tokens", "stage_index", "cursor", "train_seconds"):
             setattr(st, k, meta[k])
         st.skips = [list(x) for x in meta["skips"]]
-        st.applied_stage = -1  # the fresh model has no stage RoPE yet; entering the stage applies all up to it
         t.scheduler.load_state_dict({"step": st.step})
-        if hasattr(t, "load_detector_state") and meta.get("detector") is not None:
-            t.load_detector_state(meta["detector"])
-        t.log.event("resume", st.step, path=str(path), tokens=st.tokens, stage=meta["stage"], cursor=st.cursor)
-        if acc.is_main_process:
-            print(f"resume: from {path} at step {st.step}", flush=True)
-        return True
+        if t.spikes and meta.get("spikes"):
+            t.spikes.load_state_dict(meta["spikes"])
+        return meta
 
     def _check_recipe(self, meta: dict, allow: bool, path: Path) -> None:
         t = self.t
@@ -343,7 +363,17 @@ class CheckpointManager:
             (t.output_dir / f"recipe.step_{meta['step']:08d}.yaml").write_text(yaml.safe_dump(meta["recipe"]))
 
 
+_KILL_SEEN: dict[str, int] = {}
+
+
 def debug_kill_point(where: str) -> None:
-    """Fault injection for tests: PRETRAINER_KILL_AT=after_state SIGKILLs the process mid-save."""
-    if os.environ.get("PRETRAINER_KILL_AT") == where:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Fault injection for tests: PRETRAINER_KILL_AT=after_state SIGKILLs the process mid-save; `step:29` after step
+    29; `step:29#2` the second time step 29 completes (in a replay after a rollback)."""
+    want = os.environ.get("PRETRAINER_KILL_AT")
+    if not want:
+        return
+    point, _, nth = want.partition("#")
+    if point == where:
+        _KILL_SEEN[where] = _KILL_SEEN.get(where, 0) + 1
+        if _KILL_SEEN[where] >= int(nth or 1):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -235,6 +235,41 @@ class CheckpointSection(Section):
         return v
 
 
+class SpikesSection(Section):
+    enabled: bool = True
+    """Detect spikes and recover by rollback. Costs one host sync per step (the NaN guard reads two scalars)."""
+    window: int = Field(default=100, ge=5)
+    threshold: float = Field(default=6.0, gt=0)
+    """Robust standard deviations (1.4826 x MAD) above the window's median that make a loss suspect."""
+    persistence: int = Field(default=3, ge=1)
+    """Suspect steps in a row that make a spike (NaN/inf: one step)."""
+    min_history: int = Field(default=20, ge=3)
+    grace_steps: int = Field(default=50, ge=0)
+    """No judgement this many steps after warmup and after each stage start."""
+    max_rollbacks: int = Field(default=5, ge=1)
+    rollback_window: int = Field(default=1000, ge=1)
+    """At most `max_rollbacks` rollbacks within this many steps; past it the run stops (exit code 76)."""
+    skip_margin: int = Field(default=0, ge=0)
+    """Samples skipped on each side of the samples blamed for a recurring spike."""
+    confirm_steps: int = Field(default=5, ge=1)
+    """Steps past the spike's end that a replay must stay healthy for the spike to count as transient."""
+
+
+class InjectSection(Section):
+    poison_samples: tuple[int, int, int] | None = None
+    """(stage, first, last): replace those samples' tokens by random ones, every time they are drawn."""
+    corrupt_optimizer_step: int | None = None
+    """Before this optimizer step, scale Adam's first moment by 1e4 (once per process: a transient)."""
+    nan_step: int | None = None
+    """Make this step's loss NaN (once per process)."""
+
+
+class DebugSection(Section):
+    """Fault injection for tests and drills. Off by default; never set it in a real run."""
+
+    inject: InjectSection = Field(default_factory=InjectSection)
+
+
 class EvalSection(Section):
     every_steps: int = Field(default=100, ge=0)
     """0 disables periodic evaluation (the final evaluation still runs)."""
@@ -262,8 +297,10 @@ class Recipe(Section):
     precision: PrecisionSection = Field(default_factory=PrecisionSection)
     clipping: ClippingSection = Field(default_factory=ClippingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    spikes: SpikesSection = Field(default_factory=SpikesSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    debug: DebugSection = Field(default_factory=DebugSection)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:

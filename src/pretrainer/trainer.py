@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 
 from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources, validation_batches
 from .errors import PretrainerError
-from .model import apply_stage_rope, build_config, build_model, count_params
+from .model import apply_stage_rope, build_config, build_model, count_params, set_rope
 from .recipe import dump_recipe, flatten, recipe_dict
+from .recovery import SpikeHandler
 from .runstate import CheckpointManager, Preempted, RunState, _PreemptFlag, _Window, debug_kill_point
 from .schedules import LRController, lr_lambda
 from .sections import Recipe
@@ -109,6 +110,7 @@ class Trainer:
             pad_token_id=self.tokenizer.pad_token_id,
         )
         model = build_model(recipe.model, self.config)
+        self.base_rope = (dict(self.config.rope_parameters or {}), self.config.max_position_embeddings)
         self.n_params = count_params(model)
         opt = recipe.optimizer
         fused = opt.fused if opt.fused is not None else torch.cuda.is_available()
@@ -125,6 +127,9 @@ class Trainer:
         self.recent_losses: deque[float] = deque(maxlen=256)
         self.state = RunState()
         self.ckpt = CheckpointManager(self)
+        self.spikes = SpikeHandler(self) if recipe.spikes.enabled else None
+        self._batchers: dict[int, StageBatches] = {}
+        self._fired: set[str] = set()  # fault injections fire once per process
 
     def _configure_deepspeed(self) -> None:
         """The recipe, not the launcher config, decides micro batch, accumulation and clipping."""
@@ -137,10 +142,39 @@ class Trainer:
         ds["train_batch_size"] = self.spans[0].micro_batch_size * self.grad_accum * acc.num_processes
         ds["gradient_clipping"] = self.recipe.clipping.max_grad_norm or 0.0
 
+    def batches_for(self, stage: int) -> StageBatches:
+        if stage not in self._batchers:
+            vocab = self.config.vocab_size
+            self._batchers[stage] = StageBatches(self.recipe, self.spans[stage], self.sources, vocab)
+        return self._batchers[stage]
+
+    def alert(self, title: str, text: str) -> None:
+        """A W&B alert when W&B is online; always a line above the progress bar (events.jsonl has the record)."""
+        if self.accelerator.is_main_process:
+            tqdm.write(f"[{title}] {text}", file=sys.stderr)
+            if "wandb" in self.recipe.logging.report_to and os.environ.get("WANDB_MODE") not in (
+                "offline",
+                "disabled",
+            ):
+                try:
+                    self.accelerator.get_tracker("wandb", unwrap=True).alert(title=title, text=text)
+                except Exception:  # an alert must never take the run down
+                    pass
+
+    def _inject(self, kind: str, at: int | None, step: int) -> bool:
+        if at is not None and step == at and kind not in self._fired:
+            self._fired.add(kind)
+            self.log.event("inject", step, what=kind)
+            return True
+        return False
+
     def enter_stage(self, prev: int, index: int) -> dict:
         """Apply the RoPE changes of stages prev+1..index to the live model (all earlier ones when resuming into a
         later stage), so `final/config.json` carries the RoPE the model was trained with. Returns rope_parameters."""
         unwrapped = self.accelerator.unwrap_model(self.model)
+        if prev > index:  # rolled back into an earlier stage: rebuild RoPE from the recipe's own
+            set_rope(unwrapped, self.base_rope[0], self.base_rope[1])
+            prev = -1
         for k in range(prev + 1, index + 1):
             stage = self.recipe.stages[k]
             if stage.rope is not None:
@@ -149,7 +183,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def train_step(self, batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def train_step(self, batches: list[torch.Tensor], step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward/backward over this rank's micro batches, then one clipped optimizer step.
 
         Returns:
@@ -157,17 +191,30 @@ class Trainer:
         """
         acc, model = self.accelerator, self.model
         model.train()
+        inject = self.recipe.debug.inject
+        if self._inject("corrupt_optimizer", inject.corrupt_optimizer_step, step):
+            for state in self.optimizer.state.values():
+                if "exp_avg" in state:
+                    state["exp_avg"].mul_(1e4)
+        nan = self._inject("nan", inject.nan_step, step)
         loss_sum = torch.zeros((), device=acc.device)
         grad_norm = None
         for mb in batches:
             mb = mb.to(acc.device, non_blocking=True)
             with acc.accumulate(model):
                 out = model(input_ids=mb, labels=mb, use_cache=False)
-                acc.backward(out.loss)
-                loss_sum += out.loss.detach().float()
+                loss = out.loss * float("nan") if nan else out.loss
+                acc.backward(loss)
+                loss_sum += loss.detach().float()
                 if acc.sync_gradients:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), self.max_norm)
-                    self.optimizer.step()
+                    if grad_norm is not None and not torch.is_tensor(grad_norm):  # DeepSpeed reports a float
+                        grad_norm = torch.tensor(float(grad_norm), device=acc.device)
+                    # The NaN guard: a non-finite gradient never reaches the optimizer (one scalar synced per step).
+                    if self.spikes is None or grad_norm is None or torch.isfinite(grad_norm).item():
+                        self.optimizer.step()
+                    else:
+                        self.log.event("skipped_update", step, grad_norm=float(grad_norm))
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
         if grad_norm is None and acc.distributed_type == DistributedType.DEEPSPEED:
@@ -236,17 +283,21 @@ class Trainer:
             )
         self.preempt = _PreemptFlag()
         window = _Window(acc.device)
+        if self.spikes and not resumed:
+            self.spikes.detector.start_grace(recipe.schedule.warmup_steps)
         self.ckpt.mark_clock()
         while st.step < self.total_steps:
             if span is None or st.step >= span.end_step:
-                prev = span.index if span is not None else (st.applied_stage if resumed else -1)
+                prev = span.index if span is not None else st.applied_stage
                 span = stage_at(self.spans, st.step)
-                batcher = StageBatches(recipe, span, self.sources)
+                batcher = self.batches_for(span.index)
                 if span.index != st.stage_index:
                     st.stage_index, st.cursor = span.index, 0
                 rope = self.enter_stage(prev, span.index)
                 st.applied_stage = span.index
                 if not (resumed and prev == span.index):
+                    if self.spikes and span.index > 0 and st.step == span.start_step:
+                        self.spikes.detector.start_grace(st.step)
                     self.log.event(
                         "stage_start", st.step, stage=span.name, seq_len=span.seq_len, tokens=span.tokens, rope=rope,
                         mixture=recipe.stages[span.index].mixture,
@@ -254,13 +305,24 @@ class Trainer:
                     )  # fmt: skip
             lr = self.scheduler.get_last_lr()[0]
             skips = st.skips_for(span.index)
+            cursor_before = st.cursor
             batches, st.cursor, consumed = batcher.step_batches(st.cursor, acc.process_index, acc.num_processes, skips)
-            loss, grad_norm = self.train_step(batches)
+            loss, grad_norm = self.train_step(batches, st.step + 1)
             tokens_before = st.tokens
             st.step += 1
             st.tokens += span.tokens_per_step
             window.add(st.step, loss, span.tokens_per_step)
             debug_kill_point(f"step:{st.step}")
+            if self.spikes:
+                self.spikes.record(st.step, span.index, cursor_before)
+                gn = grad_norm if grad_norm is not None else torch.zeros((), device=acc.device)
+                loss_v, gn_v = acc.reduce(torch.stack([loss, gn.float()]), reduction="mean").tolist()
+                if self.spikes.after_step(st.step, loss_v, gn_v if grad_norm is not None else None):
+                    window = _Window(acc.device)  # the rolled-back steps' losses are not this timeline's
+                    bar.n = st.step
+                    bar.refresh()
+                    span, resumed = None, True
+                    continue
             bar.update(1)
             log_now = st.step % log_every == 0 or st.step == self.total_steps
             reason = self.ckpt.due(tokens_before, st.tokens, st.step == span.end_step, log_now)

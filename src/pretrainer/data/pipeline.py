@@ -80,8 +80,10 @@ def load_sources(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> dict[str
 class StageBatches:
     """The batches of one stage: global sample indices -> packed sequences, split over ranks and micro batches."""
 
-    def __init__(self, recipe: Recipe, span: StageSpan, sources: dict[str, SourceData]):
+    def __init__(self, recipe: Recipe, span: StageSpan, sources: dict[str, SourceData], vocab_size: int | None = None):
         self.span = span
+        inject = recipe.debug.inject.poison_samples
+        self.poison = (inject[1], inject[2], vocab_size) if inject and inject[0] == span.index else None
         stage = recipe.stages[span.index]
         self.tables: dict[str, WindowTable] = {}
         for name, w in stage.mixture.items():
@@ -105,6 +107,10 @@ class StageBatches:
         self.repeats = dict.fromkeys(self.tables, 0)
         """Draws per source that came after the source was exhausted once (repeated data)."""
 
+    def indices(self, cursor: int, skips: list[tuple[int, int]]) -> tuple[list[int], int]:
+        """The global sample indices of the step starting at `cursor`, and the next cursor."""
+        return next_indices(cursor, self.span.sequences_per_step, skips)
+
     def step_batches(
         self, cursor: int, rank: int, world: int, skips: list[tuple[int, int]] | None = None
     ) -> tuple[list[torch.Tensor], int, tuple[int, int]]:
@@ -118,7 +124,7 @@ class StageBatches:
             (micro batches of shape [micro_batch_size, seq_len], the new cursor, the (first, last) global sample
             indices that the whole step consumed).
         """
-        idx, new_cursor = next_indices(cursor, self.span.sequences_per_step, skips or [])
+        idx, new_cursor = self.indices(cursor, skips or [])
         per_rank = len(idx) // world
         mine = idx[rank * per_rank : (rank + 1) * per_rank]
         rows = []
@@ -128,6 +134,10 @@ class StageBatches:
             rows.append(self.sources[d.source].train.tokens[start : start + self.span.seq_len])
             if d.epoch:
                 self.repeats[d.source] += 1
+        if self.poison is not None:
+            from ..recovery import poison
+
+            rows = poison(rows, mine, *self.poison)
         mb = self.span.micro_batch_size
         batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]
         return batches, new_cursor, (idx[0], idx[-1])

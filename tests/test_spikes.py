@@ -1,0 +1,161 @@
+"""Spike detection (canned losses, no model) and closed-loop recovery under injected faults (tiny model)."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import run_recipe
+from conftest import FIXTURES
+
+from pretrainer import checkpoint as ck
+from pretrainer.spikes import SpikeDetector, outliers, sample_ranges
+from pretrainer.tracking import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def noisy_decreasing(n: int, seed: int = 0) -> list[float]:
+    rng = np.random.default_rng(seed)
+    steps = np.arange(n)
+    trend = 2.0 + 8.0 * np.exp(-steps / 800)
+    return (trend * (1 + 0.02 * rng.standard_normal(n)) + 0.03 * rng.standard_t(3, n)).tolist()
+
+
+def test_no_false_alarms_on_5000_noisy_steps():
+    for seed in range(3):
+        det = SpikeDetector(grace_steps=50)
+        det.start_grace(100)  # after a 100-step warmup
+        kinds = [det.update(i, x).kind for i, x in enumerate(noisy_decreasing(5000, seed))]
+        assert kinds.count("spike") == 0
+
+
+def test_one_noisy_step_is_not_a_spike_but_a_persistent_rise_is():
+    det = SpikeDetector(window=50, persistence=3, grace_steps=0)
+    losses = noisy_decreasing(300)
+    for i, x in enumerate(losses[:200]):
+        det.update(i, x)
+    assert det.update(200, losses[200] * 1.5).kind == "suspect"
+    assert det.update(201, losses[201]).kind == "ok"  # one noisy step: forgotten
+    d = [det.update(202 + k, losses[202 + k] * 1.5) for k in range(3)]
+    assert [x.kind for x in d] == ["suspect", "suspect", "spike"] and d[-1].onset == 202
+
+
+def test_nan_and_inf_are_always_spikes_and_state_roundtrips():
+    det = SpikeDetector(grace_steps=100)
+    assert det.update(0, float("nan")).kind == "spike"  # even in the grace period
+    assert det.update(1, 3.0, grad_norm=math.inf).kind == "spike"
+    for i, x in enumerate(noisy_decreasing(150)):
+        det.update(i, x)
+    again = SpikeDetector(grace_steps=100)
+    again.load_state_dict(det.state_dict())
+    assert again.update(151, 100.0) == det.update(151, 100.0)
+
+
+def test_blame_helpers():
+    vals = [3.0] * 10 + [8.0, 8.1] + [3.1] * 10
+    assert outliers(vals) == [10, 11]
+    assert sample_ranges([5, 6, 7, 20], margin=1) == [(4, 8), (19, 21)]
+
+
+# ---------------------------------------------------------------------------- end to end
+
+SPIKY = ["--set", "stages.0.steps=48", "--set", "eval.every_steps=0", "--set", "checkpoint.every_tokens=4096",
+         "--set", "checkpoint.keep_last=4", "--set", "spikes.window=20", "--set", "spikes.min_history=8",
+         "--set", "spikes.grace_steps=4", "--set", "spikes.persistence=2", "--set", "spikes.threshold=4",
+         "--set", "spikes.confirm_steps=3"]  # fmt: skip
+
+
+def cli(out, cache_dir, *extra):
+    return [str(FIXTURES / "micro.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
+            *SPIKY, *extra]  # fmt: skip
+
+
+def events(out, kind):
+    return [e for e in read_jsonl(out / "events.jsonl") if e["event"] == kind]
+
+
+def final_val(out):
+    return [m["val/avg"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m][-1]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("clean") / "run"
+    assert run_recipe.main(cli(out, cache_dir)) == 0
+    return out
+
+
+def test_clean_run_has_no_spikes(clean):
+    assert events(clean, "spike") == [] and events(clean, "rollback") == []
+
+
+def test_data_linked_spike_is_skipped(clean, tmp_path, cache_dir):
+    # step 30 draws samples 464..479, step 31 480..495: poison 6 of each
+    out = tmp_path / "run"
+    rc = run_recipe.main(cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]",
+                             "--set", "spikes.skip_margin=1"))  # fmt: skip
+    assert rc == 0
+    spikes, rollbacks, skips = events(out, "spike"), events(out, "rollback"), events(out, "skip")
+    assert len(spikes) == 2 and len(rollbacks) == 2  # detected, rolled back, recurred, rolled back
+    assert spikes[0]["onset"] == spikes[1]["onset"] == 30
+    assert rollbacks[0]["to_step"] < 30 and rollbacks[0]["path"] == rollbacks[1]["path"]
+    assert [(s["stage"], s["first"], s["last"]) for s in skips] == [(0, 473, 486)]  # the poisoned range + margin
+    ledger = (out / "skip_ledger.json").read_text()
+    assert '"skips": [\n  [\n   0,\n   473,\n   486' in ledger
+    assert ck.list_checkpoints(out / "checkpoints")[-1].meta["skips"] == [[0, 473, 486]]
+    assert abs(final_val(out) - final_val(clean)) <= 0.05 * final_val(clean)
+
+
+def test_optimizer_corruption_rolls_back_past_the_latest(clean, tmp_path, cache_dir):
+    out = tmp_path / "run"
+    # corrupted before step 24's update; the checkpoint at step 24 holds the corrupted state
+    assert run_recipe.main(cli(out, cache_dir, "--set", "debug.inject.corrupt_optimizer_step=24")) == 0
+    spikes, rollbacks = events(out, "spike"), events(out, "rollback")
+    assert len(spikes) == 1 and len(rollbacks) == 1
+    assert rollbacks[0]["to_step"] == 20  # not 24, the newest checkpoint, saved after the corruption
+    assert events(out, "transient") and events(out, "skip") == []
+    assert ck.list_checkpoints(out / "checkpoints")[-1].meta["skips"] == []
+
+
+def test_nan_never_reaches_the_optimizer(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    assert run_recipe.main(cli(out, cache_dir, "--set", "debug.inject.nan_step=26")) == 0
+    assert [e["step"] for e in events(out, "skipped_update")] == [26]
+    sp = events(out, "spike")
+    assert sp[0]["onset"] == 26 and "non-finite" in sp[0]["reason"]
+    assert events(out, "rollback")[0]["to_step"] == 24
+    for c in ck.list_checkpoints(out / "checkpoints"):
+        assert ck.verify(c.path) == []  # finite weights and optimizer state everywhere
+
+
+def test_rollback_bound_stops_with_exit_76(tmp_path, cache_dir, capsys):
+    out = tmp_path / "run"
+    rc = run_recipe.main(cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]",
+                             "--set", "spikes.max_rollbacks=1"))  # fmt: skip
+    assert rc == 76
+    assert "rollbacks within 1000 steps" in capsys.readouterr().err
+    assert events(out, "rollback_limit")
+    assert all(ck.verify(c.path) == [] for c in ck.list_checkpoints(out / "checkpoints"))
+
+
+def test_kill_during_replay_keeps_ledger_and_detector(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRETRAINER_KILL_AT": "step:29#3"}
+    args = ["--set", "debug.inject.poison_samples=[0, 474, 485]", "--set", "spikes.skip_margin=1"]
+    cmd = [sys.executable, "scripts/run_recipe.py", *cli(out, cache_dir, *args)]
+    # spike, rollback to 28, replay, recurrence, skip, rollback to 28 again: SIGKILL at step 29 of that replay
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert len(events(out, "rollback")) >= 1
+    env.pop("PRETRAINER_KILL_AT")
+    proc = subprocess.run(cmd + ["--resume", "auto"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resume = events(out, "resume")[-1]
+    assert resume["skips"] == [[0, 473, 486]]  # the ledger survived the kill
+    assert ck.list_checkpoints(out / "checkpoints")[-1].meta["skips"] == resume["skips"]
+    assert ck.list_checkpoints(out / "checkpoints")[-1].meta["spikes"]["detector"]["history"]
