@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import threading
@@ -264,10 +263,6 @@ def due(
     if every_minutes is not None and minutes_since >= every_minutes:
         return "time"
     return None
-
-
-def finite_or_nan(x: float | None) -> float:
-    return x if x is not None and math.isfinite(x) else float("nan")
 
 
 def remove_dir(path: Path) -> str | None:
