@@ -31,3 +31,14 @@ def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """Per-step training losses of a run; a step logged again after a resume or rollback replaces the earlier one."""
+    from pretrainer.tracking import read_jsonl
+
+    losses = {}
+    for m in read_jsonl(Path(out) / "metrics.jsonl"):
+        for s, v in m.get("step_losses", []):
+            losses[s] = v
+    return losses

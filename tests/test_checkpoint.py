@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import run_recipe
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, step_losses
 from safetensors.torch import load_file, save_file
 
 from pretrainer import checkpoint as ck
@@ -34,15 +34,6 @@ def launch(out, cache_dir, *extra, kill_at=None):
         env["PRETRAINER_KILL_AT"] = kill_at
     cmd = [sys.executable, "scripts/run_recipe.py", *cli(out, cache_dir, *extra)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
-def step_losses(out: Path) -> dict[int, float]:
-    """Per-step training losses; a step logged again after a resume replaces the earlier record."""
-    losses = {}
-    for m in read_jsonl(out / "metrics.jsonl"):
-        for s, v in m.get("step_losses", []):
-            losses[s] = v
-    return losses
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import step_losses
 from transformers import AutoModelForCausalLM
 
 from pretrainer.tracking import read_jsonl
@@ -36,14 +37,6 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     assert val[-1] < val[0] - 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # gathered from ZeRO-3 shards
     assert sum(p.numel() for p in model.parameters()) > 0
-
-
-def step_losses(out: Path) -> dict[int, float]:
-    losses = {}
-    for m in read_jsonl(out / "metrics.jsonl"):
-        for s, v in m.get("step_losses", []):
-            losses[s] = v
-    return losses
 
 
 @pytest.mark.distributed
