@@ -91,3 +91,14 @@ def test_long_documents_contiguous_and_upweighted():
     assert any(s <= 55 and 55 + 30 <= s + 32 for s in starts)
     assert t.n_long == 3  # 40 tokens -> 2 windows, 30 tokens -> 1
     assert sum(1 for s in starts if s in (10, 42, 55)) == 3 * 3  # upweighted 3x
+
+
+def test_bench_data_script(setup, capsys):
+    import bench_data
+
+    _, _, _, cache = setup
+    args = [str(FIXTURES / "micro3.yaml"), "--set", f"data.cache_dir={cache}", "--steps", "5", "--start", "1000000000"]
+    assert bench_data.main(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["stage"] for r in rows] == ["main", "long", "anneal"]
+    assert all(r["tokens"] == 5 * 1024 and r["tokens_per_s"] > 0 for r in rows)

@@ -129,6 +129,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self)
         self.spikes = SpikeHandler(self) if recipe.spikes.enabled else None
         self._batchers: dict[int, StageBatches] = {}
+        self._val_cache: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
         self._fired: set[str] = set()  # fault injections fire once per process
 
     def _configure_deepspeed(self) -> None:
@@ -183,11 +184,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ one optimizer step
 
-    def train_step(self, batches: list[torch.Tensor], step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _observe(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float | None]:
+        """The step's mean loss over ranks and its gradient norm on the host: one transfer for both."""
+        gn = grad_norm.float() if grad_norm is not None else torch.zeros((), device=loss.device)
+        loss_v, gn_v = self.accelerator.reduce(torch.stack([loss, gn]), reduction="mean").tolist()
+        return loss_v, (gn_v if grad_norm is not None else None)
+
+    def train_step(
+        self, batches: list[torch.Tensor], step: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[float, float | None] | None]:
         """Forward/backward over this rank's micro batches, then one clipped optimizer step.
 
         Returns:
-            (mean loss on this rank, pre-clip global gradient norm), both as device tensors: no host sync here.
+            (mean loss on this rank, pre-clip global gradient norm) as device tensors, and, when spike handling is on,
+            the host values of both (the step's only host sync; the NaN guard needs them before the update).
         """
         acc, model = self.accelerator, self.model
         model.train()
@@ -198,7 +208,7 @@ class Trainer:
                     state["exp_avg"].mul_(1e4)
         nan = self._inject("nan", inject.nan_step, step)
         loss_sum = torch.zeros((), device=acc.device)
-        grad_norm = None
+        grad_norm, observed = None, None
         for mb in batches:
             mb = mb.to(acc.device, non_blocking=True)
             with acc.accumulate(model):
@@ -210,18 +220,23 @@ class Trainer:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), self.max_norm)
                     if grad_norm is not None and not torch.is_tensor(grad_norm):  # DeepSpeed reports a float
                         grad_norm = torch.tensor(float(grad_norm), device=acc.device)
-                    # The NaN guard: a non-finite gradient never reaches the optimizer (one scalar synced per step).
-                    if self.spikes is None or grad_norm is None or torch.isfinite(grad_norm).item():
+                    if self.spikes is not None:
+                        observed = self._observe(loss_sum / len(batches), grad_norm)
+                    # The NaN guard: a non-finite loss or gradient never reaches the optimizer.
+                    if observed is None or all(math.isfinite(v) for v in observed if v is not None):
                         self.optimizer.step()
                     else:
-                        self.log.event("skipped_update", step, grad_norm=float(grad_norm))
+                        self.log.event("skipped_update", step, loss=observed[0], grad_norm=observed[1])
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
         if grad_norm is None and acc.distributed_type == DistributedType.DEEPSPEED:
             # DeepSpeed clips inside its own step and reports the pre-clip norm afterwards.
             norm = model.get_global_grad_norm()
             grad_norm = torch.as_tensor(norm if norm is not None else float("nan"), device=acc.device)
-        return loss_sum / len(batches), grad_norm
+        loss = loss_sum / len(batches)
+        if self.spikes is not None and observed is None:  # DeepSpeed: its engine has already stepped
+            observed = self._observe(loss, grad_norm)
+        return loss, grad_norm, observed
 
     # ------------------------------------------------------------------ evaluation
 
@@ -232,7 +247,11 @@ class Trainer:
         acc, model = self.accelerator, self.model
         model.eval()
         names = used_sources(self.recipe)
-        val = validation_batches(self.sources, names, seq_len, micro, self.recipe.eval.max_batches)
+        if (seq_len, micro) not in self._val_cache:  # the same held-out batches at every eval of a stage
+            self._val_cache[(seq_len, micro)] = validation_batches(
+                self.sources, names, seq_len, micro, self.recipe.eval.max_batches
+            )
+        val = self._val_cache[(seq_len, micro)]
         out = {}
         for name in names:
             batches = val[name]
@@ -307,7 +326,7 @@ class Trainer:
             skips = st.skips_for(span.index)
             cursor_before = st.cursor
             batches, st.cursor, consumed = batcher.step_batches(st.cursor, acc.process_index, acc.num_processes, skips)
-            loss, grad_norm = self.train_step(batches, st.step + 1)
+            loss, grad_norm, observed = self.train_step(batches, st.step + 1)
             tokens_before = st.tokens
             st.step += 1
             st.tokens += span.tokens_per_step
@@ -315,9 +334,7 @@ class Trainer:
             debug_kill_point(f"step:{st.step}")
             if self.spikes:
                 self.spikes.record(st.step, span.index, cursor_before)
-                gn = grad_norm if grad_norm is not None else torch.zeros((), device=acc.device)
-                loss_v, gn_v = acc.reduce(torch.stack([loss, gn.float()]), reduction="mean").tolist()
-                if self.spikes.after_step(st.step, loss_v, gn_v if grad_norm is not None else None):
+                if self.spikes.after_step(st.step, *observed):
                     window = _Window(acc.device)  # the rolled-back steps' losses are not this timeline's
                     bar.n = st.step
                     bar.refresh()
