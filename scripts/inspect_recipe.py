@@ -18,6 +18,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--lr-at", default="", help="comma-separated global steps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="LR over the run with stages, seq_len, RoPE and tokens annotated")
+    p.add_argument("--strict", action="store_true", help="lint findings are errors")
+    p.add_argument("--gpus", type=int, help="estimate wall time on this many GPUs")
+    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (default 0.4)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
@@ -28,14 +33,23 @@ def main(argv=None) -> int:
     def run() -> int:
         from pretrainer.errors import PretrainerError
         from pretrainer.recipe import load_recipe
-        from pretrainer.summary import format_summary, summarize
+        from pretrainer.summary import estimate_wall_time, format_summary, summarize
 
         try:
             steps = [int(s) for s in args.lr_at.split(",") if s.strip()]
         except ValueError:
             raise PretrainerError(f"--lr-at: expected comma-separated integers, got {args.lr_at!r}") from None
-        info = summarize(load_recipe(args.recipe, args.overrides), steps)
+        recipe = load_recipe(args.recipe, args.overrides)
+        info = summarize(recipe, steps)
+        if args.gpus:
+            info["wall_time"] = estimate_wall_time(info["total_flops"], args.gpus, args.mfu, args.peak_tflops)
+        if args.plot:
+            from pretrainer.plots import plot_schedule
+
+            plot_schedule(recipe, info, args.plot)
         print(json.dumps(info) if args.json else format_summary(info))
+        if args.strict and info["findings"]:
+            raise PretrainerError(f"{args.recipe}: {len(info['findings'])} lint finding(s) under --strict")
         return 0
 
     return run_main(run, debug=args.debug)

@@ -42,7 +42,9 @@ def test_tokens_stage_rounds_up_to_whole_steps():
 
 def test_mixture_normalized_with_warning_and_undefined_source():
     r = load_recipe(FIXTURES / "micro3.yaml", ["stages.0.mixture={stdlib: 3, curated: 1}"])
-    assert any("stages.0.mixture: weights sum to 4" in w for w in r.warnings())
+    from pretrainer.lint import lint
+
+    assert any(f.id == "PT009" and f.field == "stages.0.mixture" and "sum to 4" in f.message for f in lint(r))
     with pytest.raises(RecipeError, match="source 'books' of stage 'long' is not defined in data.sources"):
         load_recipe(FIXTURES / "micro3.yaml", ["stages.1.mixture={books: 1}"])
 

@@ -183,6 +183,7 @@ class CheckpointManager:
                 "max": max(finite) if finite else None,
             },
             "spikes": t.spikes.state_dict() if t.spikes else None,
+            "gns": t.gns.state_dict() if t.gns else None,
         }
 
     def save(self, reason: str) -> Path:
@@ -346,6 +347,8 @@ class CheckpointManager:
         t.scheduler.load_state_dict({"step": st.step})
         if t.spikes and meta.get("spikes"):
             t.spikes.load_state_dict(meta["spikes"])
+        if t.gns and meta.get("gns"):
+            t.gns.load_state_dict(meta["gns"])
         return meta
 
     def _check_recipe(self, meta: dict, allow: bool, path: Path) -> None:

@@ -112,6 +112,9 @@ class BatchSection(Section):
     across stages, so a stage at 4x the context runs 1/4 the sequences per micro batch."""
     global_batch_tokens: int = Field(ge=1)
     """Tokens per optimizer step over all devices; fixed for the whole run."""
+    critical_batch_tokens: int | None = Field(default=None, ge=1)
+    """The critical batch size when known (e.g. the `gns/b_simple` a previous run logged); the linter warns when the
+    global batch is far above it."""
 
 
 class OptimizerSection(Section):
@@ -369,15 +372,6 @@ class Recipe(Section):
                 if src not in self.data.sources:
                     raise ValueError(f"tokenizer.train.sources: {src!r} is not defined in data.sources")
         return self
-
-    def warnings(self) -> list[str]:
-        """Things that are allowed but probably not meant."""
-        out = []
-        for i, st in enumerate(self.stages):
-            total = sum(st.mixture.values())
-            if abs(total - 1.0) > 1e-6:
-                out.append(f"stages.{i}.mixture: weights sum to {total:g}, normalized to 1 (stage {st.name!r})")
-        return out
 
     @property
     def output_dir(self) -> str:

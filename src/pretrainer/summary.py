@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .lint import lint
 from .model import build_config, build_model, count_params, flops_per_token, non_embedding_params
 from .schedules import lr_lambda
 from .sections import Recipe
@@ -60,7 +61,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
         "total_flops": total_flops,
         "stages": stages,
         "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
-        "warnings": recipe.warnings(),
+        "findings": [f.to_dict() for f in lint(recipe)],
     }
 
 
@@ -70,6 +71,7 @@ def format_summary(info: dict[str, Any]) -> str:
         f"total steps     {info['total_steps']:,}",
         f"total tokens    {info['total_tokens']:,}",
         f"total FLOPs     {info['total_flops']:.3e}",
+        "FLOPs/token     " + ", ".join(f"{s['name']}: {s['flops_per_token']:.3e}" for s in info["stages"]),
         "",
         f"{'stage':<12}{'start':>10}{'steps':>10}{'tokens':>18}{'seq_len':>9}{'seqs/step':>11}{'lr start':>11}"
         f"{'lr end':>11}  mixture",
@@ -84,9 +86,19 @@ def format_summary(info: dict[str, Any]) -> str:
             f"{s['name']:<12}{s['start_step']:>10,}{s['steps']:>10,}{s['tokens']:>18,}{s['seq_len']:>9}"
             f"{s['sequences_per_step']:>11}{s['lr_start']:>11.3e}{s['lr_end']:>11.3e}  {mix}"
         )
-    for w in info["warnings"]:
-        lines.append(f"warning: {w}")
+    for f in info["findings"]:
+        lines.append(f"warning: {f['id']} {f['field']}: {f['message']} Fix: {f['fix']}")
+    if info.get("wall_time"):
+        w = info["wall_time"]
+        lines.append(f"est. wall time  {w['days']:.2f} days on {w['gpus']} GPUs at {w['mfu']:.0%} MFU of "
+                     f"{w['peak_tflops']:g} TFLOP/s")  # fmt: skip
     if info["lr_at"]:
         lines.append("")
         lines += [f"lr at step {k:>10}: {v:.6e}" for k, v in info["lr_at"].items()]
     return "\n".join(lines)
+
+
+def estimate_wall_time(total_flops: float, gpus: int, mfu: float, peak_tflops: float) -> dict[str, float]:
+    """Wall time at a given model-FLOPs utilization: FLOPs / (GPUs x MFU x peak)."""
+    seconds = total_flops / (gpus * mfu * peak_tflops * 1e12)
+    return {"gpus": gpus, "mfu": mfu, "peak_tflops": peak_tflops, "seconds": seconds, "days": seconds / 86400}

@@ -20,6 +20,9 @@ from tqdm.auto import tqdm
 
 from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources, validation_batches
 from .errors import PretrainerError
+from .gns import NoiseScale
+from .health import report
+from .lint import lint
 from .model import apply_stage_rope, build_config, build_model, count_params, set_rope
 from .recipe import dump_recipe, flatten, recipe_dict
 from .recovery import SpikeHandler
@@ -95,8 +98,8 @@ class Trainer:
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
         if acc.is_main_process:
             dump_recipe(recipe, self.output_dir / "recipe.resolved.yaml")
-            for w in recipe.warnings():
-                print(f"warning: {w}", file=sys.stderr)
+            for f in lint(recipe):
+                print(f"warning: {f}", file=sys.stderr)
 
         with acc.main_process_first():
             self.tokenizer = get_tokenizer(recipe)
@@ -130,6 +133,11 @@ class Trainer:
         self.spikes = SpikeHandler(self) if recipe.spikes.enabled else None
         self._batchers: dict[int, StageBatches] = {}
         self._val_cache: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
+        # The noise scale needs one micro batch's own gradient: not available when DeepSpeed/FSDP shard gradients,
+        # nor when a step is a single micro batch on a single process.
+        plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        self.gns = NoiseScale() if plain and self.grad_accum > 1 else None
+        self._gns_small_sq: torch.Tensor | None = None
         self._fired: set[str] = set()  # fault injections fire once per process
 
     def _configure_deepspeed(self) -> None:
@@ -191,7 +199,7 @@ class Trainer:
         return loss_v, (gn_v if grad_norm is not None else None)
 
     def train_step(
-        self, batches: list[torch.Tensor], step: int = 0
+        self, batches: list[torch.Tensor], step: int = 0, measure_gns: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[float, float | None] | None]:
         """Forward/backward over this rank's micro batches, then one clipped optimizer step.
 
@@ -209,13 +217,17 @@ class Trainer:
         nan = self._inject("nan", inject.nan_step, step)
         loss_sum = torch.zeros((), device=acc.device)
         grad_norm, observed = None, None
-        for mb in batches:
+        for k, mb in enumerate(batches):
             mb = mb.to(acc.device, non_blocking=True)
             with acc.accumulate(model):
                 out = model(input_ids=mb, labels=mb, use_cache=False)
                 loss = out.loss * float("nan") if nan else out.loss
                 acc.backward(loss)
                 loss_sum += loss.detach().float()
+                if measure_gns and k == 0:
+                    # One micro batch's own gradient (still local, unsynced): Accelerate scaled it by 1/accumulation.
+                    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+                    self._gns_small_sq = (torch.stack(norms).norm() * len(batches)) ** 2
                 if acc.sync_gradients:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), self.max_norm)
                     if grad_norm is not None and not torch.is_tensor(grad_norm):  # DeepSpeed reports a float
@@ -290,6 +302,8 @@ class Trainer:
         resumed = self.ckpt.resume(self.resume_spec, self.allow_recipe_change)
         if not resumed:
             self.log.event("run_start", 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes)
+            if findings := lint(recipe):
+                self.log.event("lint", 0, findings=[f.to_dict() for f in findings])
         span, batcher = None, None
         last: dict[str, float] = {}
         bar = tqdm(total=self.total_steps, initial=st.step, disable=not acc.is_local_main_process, desc="train")
@@ -326,7 +340,8 @@ class Trainer:
             skips = st.skips_for(span.index)
             cursor_before = st.cursor
             batches, st.cursor, consumed = batcher.step_batches(st.cursor, acc.process_index, acc.num_processes, skips)
-            loss, grad_norm, observed = self.train_step(batches, st.step + 1)
+            gns_now = self.gns is not None and (st.step + 1) % log_every == 0
+            loss, grad_norm, observed = self.train_step(batches, st.step + 1, measure_gns=gns_now)
             tokens_before = st.tokens
             st.step += 1
             st.tokens += span.tokens_per_step
@@ -352,6 +367,9 @@ class Trainer:
                 vals = self.evaluate(span.seq_len, span.micro_batch_size)
                 self.log.metrics(st.step, {"tokens": st.tokens, "stage": span.name, **vals})
                 last.update(vals)
+                if acc.is_main_process:  # the same check as check_run.py, on what is logged so far
+                    health = report(self.output_dir, verify_checkpoint=False)
+                    self.log.event("health", st.step, verdict=health["verdict"], reasons=health["reasons"])
                 window.reset_clock()  # eval time is not training throughput
             if reason or st.step == self.total_steps:
                 self.ckpt.save(reason or "end")
@@ -382,6 +400,13 @@ class Trainer:
             "step_losses": [[s, v] for s, v in zip(steps, losses)],
             **{f"data/repeats/{n}": c for n, c in batcher.repeats.items()},
         }
+        if self.gns is not None and self._gns_small_sq is not None and grad_norm is not None:
+            b_small = span.micro_batch_size * span.seq_len
+            small_sq = acc.reduce(self._gns_small_sq, reduction="mean").item()
+            value = self.gns.update(b_small, span.tokens_per_step, small_sq, float(grad_norm) ** 2)
+            self._gns_small_sq = None
+            if value is not None:
+                record["gns/b_simple"] = value
         self.log.metrics(st.step, record)
         return record
 

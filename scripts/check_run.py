@@ -1,0 +1,49 @@
+"""Health report of a run directory (live or finished): verdict, stages, train/val gap, incidents, throughput,
+latest verified checkpoint, gradient noise scale, and a picture.
+
+    python scripts/check_run.py runs/tiny --plot report.png
+    python scripts/check_run.py runs/tiny --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pretrainer.cli import run_main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("output_dir")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="loss / LR / grad norm / tokens-per-second picture")
+    p.add_argument("--stall-minutes", type=float, default=30.0, help="no metrics for this long means stalled")
+    p.add_argument("--debug", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def run() -> int:
+        from pathlib import Path
+
+        from pretrainer.errors import PretrainerError
+        from pretrainer.health import format_report, report
+
+        if not Path(args.output_dir).is_dir():
+            raise PretrainerError(f"{args.output_dir}: not a run directory")
+        r = report(args.output_dir, args.stall_minutes)
+        if args.plot:
+            from pretrainer.plots import plot_run
+
+            r["plot"] = str(plot_run(args.output_dir, args.plot))
+        print(json.dumps(r) if args.json else format_report(r))
+        return 0
+
+    return run_main(run, debug=args.debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""The recipe linter: the classic recipe mistakes, each with a stable id, a message and the fix.
+
+Run by `inspect_recipe.py` (`--strict` turns findings into errors) and at the start of every training run (warnings).
+`checkpoint.keep_last < 2` is not here: the recipe schema rejects it outright.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .schedules import lr_lambda, wsd_decay_steps
+from .sections import Recipe
+from .stages import stage_spans, total_steps
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    field: str
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.field}: {self.message} Fix: {self.fix}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+ANNEAL_NAMES = ("anneal", "cooldown", "cool_down", "decay")
+
+
+def _hq_share(recipe: Recipe, mixture: dict[str, float]) -> float:
+    high = {n for n, s in recipe.data.sources.items() if s.quality == "high"}
+    return sum(w for n, w in mixture.items() if n in high) / sum(mixture.values())
+
+
+def lint(recipe: Recipe) -> list[Finding]:
+    """All findings for a recipe; an empty list is a clean bill."""
+    out: list[Finding] = []
+    spans = stage_spans(recipe)
+    total = total_steps(recipe)
+    total_tokens = sum(s.tokens for s in spans)
+    sched, fn = recipe.schedule, lr_lambda(recipe)
+
+    warm = sched.warmup_steps
+    if warm < min(1000, 0.01 * total):
+        out.append(Finding(
+            "PT001", "schedule.warmup_steps",
+            f"{warm} warmup steps for a {total}-step run: Adam's moments are not yet estimated and early updates "
+            "are large, the classic cause of early loss spikes.",
+            f"use about 1-5% of the run (e.g. {max(1, round(0.02 * total))}), up to ~2,000 steps for large runs.",
+        ))  # fmt: skip
+    if warm > 0.1 * total:
+        out.append(Finding(
+            "PT002", "schedule.warmup_steps",
+            f"warmup is {warm / total:.0%} of the run: those tokens are trained at a tiny learning rate.",
+            f"keep warmup under ~5% of the run (e.g. {max(1, round(0.03 * total))}).",
+        ))  # fmt: skip
+    if not recipe.clipping.max_grad_norm:
+        out.append(Finding(
+            "PT004", "clipping.max_grad_norm",
+            "gradient clipping is disabled: one bad batch can take an arbitrarily large step.",
+            "set clipping.max_grad_norm: 1.0.",
+        ))  # fmt: skip
+
+    # context: the model's advertised window versus what it is trained at
+    ctx_cfg = recipe.model.config.get("max_position_embeddings")
+    longest = max(s.seq_len for s in spans)
+    if ctx_cfg and ctx_cfg > longest:
+        out.append(Finding(
+            "PT005", "model.config.max_position_embeddings",
+            f"the model advertises {ctx_cfg} positions but no stage trains beyond {longest}: positions past "
+            f"{longest} are untrained and the exported config overstates the usable context.",
+            f"set max_position_embeddings: {longest}, or add a long-context stage at {ctx_cfg}.",
+        ))  # fmt: skip
+    base_ctx = spans[0].seq_len
+    rope_changed = False
+    for i, st in enumerate(recipe.stages):
+        rope_changed = rope_changed or st.rope is not None
+        if st.seq_len > base_ctx and not rope_changed:
+            out.append(Finding(
+                "PT006", f"stages.{i}.rope",
+                f"stage {st.name!r} trains at {st.seq_len} tokens ({st.seq_len // base_ctx}x the first stage) "
+                "without a RoPE change: the rotary frequencies were fitted to the short context.",
+                "raise the base (rope: {theta: 500000}) or add YaRN scaling in this stage.",
+            ))  # fmt: skip
+
+    if sched.type == "wsd":
+        decay = spans[[s.name for s in spans].index(sched.decay_stage)].steps if sched.decay_stage else (
+            wsd_decay_steps(sched, total))  # fmt: skip
+        if decay < 0.05 * total:
+            out.append(Finding(
+                "PT007", "schedule.decay_fraction" if not sched.decay_stage else "schedule.decay_stage",
+                f"the WSD decay is {decay} steps, {decay / total:.1%} of the run; decays much shorter than ~10% "
+                "leave loss on the table.",
+                "decay over ~10-20% of the run.",
+            ))  # fmt: skip
+
+    for i, (st, span) in enumerate(zip(recipe.stages, spans)):
+        is_anneal = st.name.lower().startswith(ANNEAL_NAMES) or st.name == sched.decay_stage
+        if is_anneal and fn(span.end_step - 1) > 0.5:
+            out.append(Finding(
+                "PT008", f"stages.{i}",
+                f"anneal stage {st.name!r} ends at {fn(span.end_step - 1):.0%} of the peak LR: an anneal needs a "
+                "falling learning rate to pay off.",
+                f"with WSD set schedule.decay_stage: {st.name}; with cosine, end the run on this stage.",
+            ))  # fmt: skip
+        if is_anneal and i > 0 and _hq_share(recipe, st.mixture) <= _hq_share(recipe, recipe.stages[0].mixture):
+            out.append(Finding(
+                "PT013", f"stages.{i}.mixture",
+                f"anneal stage {st.name!r} gives the `quality: high` sources no more weight than the first stage.",
+                "shift the anneal's mixture toward the highest-quality sources (and mark them quality: high).",
+            ))  # fmt: skip
+        weight = sum(st.mixture.values())
+        if abs(weight - 1.0) > 1e-6:
+            out.append(Finding(
+                "PT009", f"stages.{i}.mixture",
+                f"weights of stage {st.name!r} sum to {weight:g}; they are normalized, which may not be what you meant.",
+                "make the weights sum to 1.",
+            ))  # fmt: skip
+
+    if recipe.eval.every_steps == 0:
+        out.append(Finding(
+            "PT010", "eval.every_steps",
+            "periodic evaluation is disabled: overfitting and divergence show in validation loss first.",
+            f"evaluate every ~1-5% of the run (e.g. every_steps: {max(1, total // 50)}).",
+        ))  # fmt: skip
+
+    ck = recipe.checkpoint
+    if ck.every_minutes is not None and ck.every_minutes > 60:
+        out.append(Finding(
+            "PT011", "checkpoint.every_minutes",
+            f"a checkpoint every {ck.every_minutes:g} minutes: a crash loses up to that much compute.",
+            "save at least hourly (every_minutes: 30).",
+        ))  # fmt: skip
+    if ck.every_tokens is not None and ck.every_tokens > total_tokens:
+        out.append(Finding(
+            "PT011", "checkpoint.every_tokens",
+            f"every_tokens ({ck.every_tokens:,}) is larger than the whole run ({total_tokens:,} tokens).",
+            "pick an interval a few percent of the run.",
+        ))  # fmt: skip
+    if ck.every_minutes is None and ck.every_tokens is None:
+        out.append(Finding(
+            "PT011", "checkpoint",
+            "no time or token trigger: checkpoints only at stage ends.",
+            "set checkpoint.every_minutes: 30.",
+        ))  # fmt: skip
+
+    crit = recipe.batch.critical_batch_tokens
+    if crit and recipe.batch.global_batch_tokens > 4 * crit:
+        out.append(Finding(
+            "PT012", "batch.global_batch_tokens",
+            f"the global batch ({recipe.batch.global_batch_tokens:,} tokens) is "
+            f"{recipe.batch.global_batch_tokens / crit:.1f}x the estimated critical batch ({crit:,}): beyond it, "
+            "doubling the batch buys little and costs compute.",
+            f"lower the global batch toward ~{crit:,} tokens (or raise it only as the noise scale grows).",
+        ))  # fmt: skip
+    return out

@@ -1,0 +1,65 @@
+"""Each finding fires on a recipe with the mistake; the shipped recipes are quiet."""
+
+import json
+
+import inspect_recipe
+import pytest
+from conftest import FIXTURES
+
+from pretrainer.errors import RecipeError
+from pretrainer.lint import lint
+from pretrainer.recipe import load_recipe
+
+TINY = "recipes/tiny.yaml"
+
+
+def ids(recipe):
+    return {f.id for f in lint(recipe)}
+
+
+@pytest.mark.parametrize("path", ["recipes/tiny.yaml", "recipes/1b_wsd.yaml", "recipes/1b_cosine.yaml"])
+def test_shipped_recipes_are_quiet(path):
+    assert lint(load_recipe(path)) == []
+
+
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        (["schedule.warmup_steps=0"], "PT001"),
+        (["schedule.warmup_steps=40"], "PT002"),
+        (["clipping.max_grad_norm=null"], "PT004"),
+        (["model.config.max_position_embeddings=4096"], "PT005"),
+        (["stages.1.rope=null"], "PT006"),
+        (["stages.2.steps=5"], "PT007"),
+        (["schedule.type=cosine", "schedule.decay_stage=null", "schedule.min_lr_ratio=0.9"], "PT008"),
+        (["stages.0.mixture={modules: 3, packages: 1}"], "PT009"),
+        (["eval.every_steps=0"], "PT010"),
+        (["checkpoint.every_minutes=120"], "PT011"),
+        (["checkpoint.every_tokens=100000000"], "PT011"),
+        (["batch.critical_batch_tokens=1024"], "PT012"),
+        (["stages.2.mixture={modules: 0.6, packages: 0.4}"], "PT013"),
+    ],
+)
+def test_each_finding_fires(overrides, expect):
+    found = lint(load_recipe(TINY, overrides))
+    assert expect in {f.id for f in found}
+    f = next(f for f in found if f.id == expect)
+    assert f.message and f.fix and f.field
+
+
+def test_keep_last_below_two_is_rejected_outright():
+    with pytest.raises(RecipeError, match="checkpoint.keep_last: must be >= 2"):
+        load_recipe(TINY, ["checkpoint.keep_last=1"])
+
+
+def test_inspect_strict_and_plot(tmp_path, capsys):
+    assert inspect_recipe.main([TINY, "--strict"]) == 0
+    assert inspect_recipe.main([TINY, "--strict", "--set", "eval.every_steps=0"]) == 2
+    assert "PT010" in capsys.readouterr().out
+    png = tmp_path / "lr.png"
+    assert inspect_recipe.main([str(FIXTURES / "micro3.yaml"), "--plot", str(png), "--json", "--gpus", "8"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert info["wall_time"]["seconds"] == pytest.approx(info["total_flops"] / (8 * 0.4 * 989e12))
+    assert all(s["flops_per_token"] > 0 for s in info["stages"])
+    assert info["findings"] == []  # the test fixtures are lint-clean too
