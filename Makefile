@@ -7,7 +7,7 @@ RECIPE ?= recipes/tiny.yaml
 RUN_ARGS ?= --overwrite
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-slow style quality clean
+.PHONY: install run test test-slow style quality bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ test: install
 
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+bench: install
+	$(PY) scripts/benchmark.py --rounds 10 --chunk 5
 
 style: install
 	$(VENV)/bin/ruff format src scripts tests

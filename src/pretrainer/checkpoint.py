@@ -179,16 +179,29 @@ def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | Non
 class Snapshot:
     """A CPU copy of model + optimizer + RNG state, taken synchronously, written by a background thread."""
 
-    def __init__(self, accelerator, model, optimizer):
+    def __init__(self, accelerator, model, optimizer, pool: dict | None = None):
+        """Args:
+        pool: CPU buffers of the previous snapshot (whose write has finished), reused when shapes match:
+            copying into warm memory avoids page faults, the larger part of the loop's blocking time."""
         copies: dict[int, torch.Tensor] = {}
+        pool = pool if pool is not None else {}
+        self.pool: dict = {}
+
+        def copy(x: torch.Tensor, slot: int) -> torch.Tensor:
+            buf = pool.get(slot)
+            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
+            buf.copy_(x.detach(), non_blocking=x.is_cuda)
+            self.pool[slot] = buf
+            return buf
 
         def cpu(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
                 # Tied weights share storage: copy once, so the file stores them once (as save_state does).
                 key = x.untyped_storage().data_ptr()
-                if key not in copies:
-                    copies[key] = x.detach().to("cpu", copy=True)
-                return copies[key] if copies[key].shape == x.shape else x.detach().to("cpu", copy=True)
+                if key not in copies or copies[key].shape != x.shape:
+                    copies[key] = copy(x, len(self.pool))
+                return copies[key]
             if isinstance(x, dict):
                 return type(x)((k, cpu(v)) for k, v in x.items())
             if isinstance(x, list | tuple):
@@ -197,6 +210,8 @@ class Snapshot:
 
         self.model_state = cpu(accelerator.get_state_dict(model, unwrap=True))
         self.optimizer_state = cpu(optimizer.state_dict())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
         import random
 
         import numpy as np

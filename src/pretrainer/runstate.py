@@ -131,6 +131,11 @@ class CheckpointManager:
         self.protected: set[str] = set()
         """Checkpoint names that pruning must keep (the spike handler's rollback target)."""
         self.last_save = time.monotonic()
+        self._pool: dict = {}  # snapshot buffers, reused between background saves
+        # The recipe cannot change within a process: serialize it once, not at every save.
+        self._recipe = recipe_dict(trainer.recipe)
+        self._recipe_hash = recipe_hash(trainer.recipe)
+        self._model_config: tuple[int, dict] | None = None
         acc = trainer.accelerator
         self.async_ok = self.section.async_ and acc.distributed_type not in (
             DistributedType.DEEPSPEED,
@@ -171,9 +176,9 @@ class CheckpointManager:
             "reason": reason,
             "saved_at": time.time(),
             "world_size": t.accelerator.num_processes,
-            "recipe_hash": recipe_hash(t.recipe),
-            "recipe": recipe_dict(t.recipe),
-            "model_config": t.accelerator.unwrap_model(t.model).config.to_dict(),
+            "recipe_hash": self._recipe_hash,
+            "recipe": self._recipe,
+            "model_config": self._config_dict(),
             "loss_stats": {
                 "n": len(losses),
                 "finite": len(finite) == len(losses),
@@ -185,6 +190,13 @@ class CheckpointManager:
             "spikes": t.spikes.state_dict() if t.spikes else None,
             "gns": t.gns.state_dict() if t.gns else None,
         }
+
+    def _config_dict(self) -> dict:
+        """The model config as saved; it changes only when a stage changes RoPE."""
+        st = self.t.state.applied_stage
+        if self._model_config is None or self._model_config[0] != st:
+            self._model_config = (st, self.t.accelerator.unwrap_model(self.t.model).config.to_dict())
+        return self._model_config[1]
 
     def save(self, reason: str) -> Path:
         """Write a checkpoint atomically: state into `.tmp-step_N/`, then meta, tokenizer, manifest (last), rename.
@@ -203,7 +215,8 @@ class CheckpointManager:
             ck.remove_dir(tmp) if tmp.exists() else None
         acc.wait_for_everyone()
         if self.async_ok:
-            snap = ck.Snapshot(acc, t.model, t.optimizer)
+            snap = ck.Snapshot(acc, t.model, t.optimizer, self._pool)
+            self._pool = snap.pool
             blocked = time.perf_counter() - t0
             if acc.is_main_process:
                 self.writer.submit(lambda: self._write(snap, tmp, final, meta, reason, blocked, t0))

@@ -126,7 +126,7 @@ class OptimizerSection(Section):
     weight_decay: float = Field(default=0.1, ge=0)
     """Applied to matrices only; norms, biases and embeddings-free 1-D params get none."""
     fused: bool | None = None
-    """Fused AdamW kernel. Default: on where the device supports it."""
+    """Fused AdamW kernel (CUDA and CPU). Default: on."""
 
 
 class ScheduleSection(Section):

@@ -116,7 +116,9 @@ class Trainer:
         self.base_rope = (dict(self.config.rope_parameters or {}), self.config.max_position_embeddings)
         self.n_params = count_params(model)
         opt = recipe.optimizer
-        fused = opt.fused if opt.fused is not None else torch.cuda.is_available()
+        # Fused AdamW (one kernel for all parameters) exists for CUDA and CPU; it is what the HF Trainer uses too.
+        fused = opt.fused if opt.fused is not None else True
+        self.fused = fused
         optimizer = torch.optim.AdamW(
             param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=fused or None
         )
@@ -292,6 +294,16 @@ class Trainer:
         Raises:
             Preempted: SIGTERM/SIGINT arrived; a checkpoint was saved first.
         """
+        for _ in self.steps():
+            pass
+        self.save_final()
+        self.log.event("run_end", self.state.step, tokens=self.state.tokens)
+        self.accelerator.end_training()
+        return self.last
+
+    def steps(self):
+        """The loop as a generator: set up (or resume), then yield the step number after every optimizer step, with
+        its logging, evaluation and checkpointing done. `train()` drains it; benchmarks interleave it."""
         acc, recipe = self.accelerator, self.recipe
         acc.init_trackers(
             recipe.logging.project,
@@ -306,6 +318,7 @@ class Trainer:
                 self.log.event("lint", 0, findings=[f.to_dict() for f in findings])
         span, batcher = None, None
         last: dict[str, float] = {}
+        self.last = last
         bar = tqdm(total=self.total_steps, initial=st.step, disable=not acc.is_local_main_process, desc="train")
         log_every, eval_every = recipe.logging.every_steps, recipe.eval.every_steps
         if eval_every and not resumed:
@@ -378,12 +391,10 @@ class Trainer:
                 self.ckpt.finish()
                 bar.close()
                 raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
+            self.last = last
+            yield st.step
         bar.close()
         self.ckpt.finish()
-        self.save_final()
-        self.log.event("run_end", st.step, tokens=st.tokens)
-        acc.end_training()
-        return last
 
     def _log_window(self, window: _Window, span, lr: float, grad_norm, batcher) -> dict:
         """One metrics line: the window's mean loss plus every step's loss (one host sync for all of them)."""

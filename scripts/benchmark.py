@@ -1,0 +1,52 @@
+"""Benchmarks: step time versus a plain PyTorch loop and the HF Trainer (same model, data, optimizer, precision and
+threads, interleaved), data headroom, checkpoint stall, resume cost. Writes docs/benchmarks.json and
+docs/BENCHMARKS.md.
+
+    make bench          (= python scripts/benchmark.py recipes/tiny.yaml)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from pretrainer.cli import run_main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("recipe", nargs="?", default="recipes/tiny.yaml")
+    p.add_argument("--rounds", type=int, default=8, help="measured rounds after one warm-up round")
+    p.add_argument("--chunk", type=int, default=5, help="optimizer steps per framework per round")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json-out", default="docs/benchmarks.json")
+    p.add_argument("--md-out", default="docs/BENCHMARKS.md")
+    p.add_argument("--debug", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def run() -> int:
+        from pretrainer.benchmark import run_all
+        from pretrainer.benchmark_report import environment, write_markdown
+
+        with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+            result = run_all(args.recipe, args.rounds, args.chunk, args.threads, tmp)
+        result["environment"] = environment()
+        result["command"] = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+        write_markdown(result, args.md_out)
+        print(json.dumps({k: result[k] for k in ("step_time", "data", "checkpoint_stall", "resume")}, indent=1))
+        return 0
+
+    return run_main(run, debug=args.debug)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
