@@ -36,3 +36,20 @@ def test_three_stage_run(tmp_path, cache_dir):
     cfg = json.loads((out / "final" / "config.json").read_text())
     assert cfg["rope_parameters"]["rope_theta"] == 160000.0  # the RoPE it was trained with
     assert cfg["max_position_embeddings"] >= 256
+
+
+def test_rollback_into_an_earlier_stage_restores_its_rope(tmp_path, cache_dir):
+    import torch
+
+    from pretrainer.recipe import load_recipe
+    from pretrainer.trainer import Trainer
+
+    recipe = load_recipe(FIXTURES / "micro3.yaml", [f"data.cache_dir={cache_dir}"])
+    t = Trainer(recipe, output_dir=tmp_path / "run")
+    rotary = t.accelerator.unwrap_model(t.model).model.rotary_emb
+    base = rotary.inv_freq.clone()
+    assert t.enter_stage(-1, 1)["rope_theta"] == 160000.0  # the long stage raised the base
+    assert not torch.equal(rotary.inv_freq, base)
+    assert t.enter_stage(1, 0)["rope_theta"] == 10000.0  # rolled back into main: the recipe's own RoPE again
+    assert torch.equal(rotary.inv_freq, base)
+    assert t.enter_stage(0, 2)["rope_theta"] == 160000.0  # and forward again through long into anneal
