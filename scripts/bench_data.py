@@ -9,16 +9,13 @@ import argparse
 import json
 import time
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = script_parser(__doc__)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of batches to build per stage")
     p.add_argument("--start", type=int, default=0, help="sample cursor to start from (e.g. 1000000000)")
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

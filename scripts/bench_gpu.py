@@ -12,19 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", nargs="?", default="recipes/1b_wsd.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = script_parser(__doc__, recipe="recipes/1b_wsd.yaml")
     p.add_argument("--peak-tflops", type=float, default=989.0)
     p.add_argument("--steps", type=int, default=10, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     p.add_argument("--out", help="also write the JSON result here")
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

@@ -13,18 +13,16 @@ import os
 import sys
 import tempfile
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", nargs="?", default="recipes/tiny.yaml")
+    p = script_parser(__doc__, recipe="recipes/tiny.yaml")
     p.add_argument("--rounds", type=int, default=8, help="measured rounds after one warm-up round")
     p.add_argument("--chunk", type=int, default=5, help="optimizer steps per framework per round")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--json-out", default="docs/benchmarks.json")
     p.add_argument("--md-out", default="docs/BENCHMARKS.md")
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, recipe=False)
     p.add_argument("output_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="loss / LR / grad norm / tokens-per-second picture")
     p.add_argument("--stall-minutes", type=float, default=30.0, help="no metrics for this long means stalled")
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

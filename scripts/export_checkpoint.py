@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, recipe=False)
     p.add_argument("checkpoint")
     p.add_argument("out")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

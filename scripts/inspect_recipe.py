@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = script_parser(__doc__)
     p.add_argument("--lr-at", default="", help="comma-separated global steps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="LR over the run with stages, seq_len, RoPE and tokens annotated")
@@ -23,7 +21,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, help="estimate wall time on this many GPUs")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (default 0.4)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

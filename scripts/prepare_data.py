@@ -12,16 +12,13 @@ import argparse
 import json
 import os
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = script_parser(__doc__)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
     p.add_argument("--shard-docs", type=int, default=2000, help="documents per shard (the unit of resumption)")
-    p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
 
 

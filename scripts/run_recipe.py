@@ -15,20 +15,11 @@ from __future__ import annotations
 
 import argparse
 
-from pretrainer.cli import run_main
+from pretrainer.cli import run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="recipe YAML file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe field, value parsed as YAML (repeatable)",
-    )
+    p = script_parser(__doc__)
     p.add_argument("--output-dir", help="run directory (default: run.output_dir or runs/<run.name>)")
     p.add_argument(
         "--resume",
@@ -48,7 +39,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--decay-steps", type=int, help="length of the branched decay, in steps")
     p.add_argument("--overwrite", action="store_true", help="start over in an output dir that holds a run")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
 
