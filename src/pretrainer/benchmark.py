@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -16,7 +17,12 @@ from pathlib import Path
 
 import torch
 
+from . import checkpoint as ck
+from .data.pipeline import StageBatches
+from .engine import param_groups
+from .model import build_model
 from .recipe import load_recipe
+from .trainer import Trainer
 
 # The recipe's first stage, made long enough never to end on its own (the benchmark stops it); no evals, no
 # trackers, no checkpoints except those the benchmark asks for.
@@ -39,9 +45,6 @@ class _PlainLoop:
     """What a user would write by hand: forward, backward, clip, step, zero_grad."""
 
     def __init__(self, trainer, batches: list[list[torch.Tensor]]):
-        from .model import build_model
-        from .trainer import param_groups
-
         torch.manual_seed(trainer.recipe.run.seed)
         self.model = build_model(trainer.recipe.model, trainer.config)
         o = trainer.recipe.optimizer
@@ -67,8 +70,6 @@ class _HFTrainer:
 
     def __init__(self, trainer, batches: list[list[torch.Tensor]], chunk: int, workdir: str):
         from transformers import Trainer, TrainerCallback, TrainingArguments
-
-        from .model import build_model
 
         rows = [{"input_ids": r, "labels": r} for micro in batches for mb in micro for r in mb]
         torch.manual_seed(trainer.recipe.run.seed)
@@ -122,8 +123,6 @@ class _HFTrainer:
 
 def step_overhead(trainer, rounds: int = 8, chunk: int = 5) -> dict:
     """Median seconds per optimizer step of each framework, interleaved; the first round is warm-up."""
-    from .data.pipeline import StageBatches
-
     span = trainer.spans[0]
     sb = StageBatches(trainer.recipe, span, trainer.sources)
     batches, cursor = [], 0
@@ -158,8 +157,6 @@ def step_overhead(trainer, rounds: int = 8, chunk: int = 5) -> dict:
 
 
 def data_headroom(trainer, train_step_s: float, steps: int = 200) -> dict:
-    from .data.pipeline import StageBatches
-
     span = trainer.spans[0]
     sb = StageBatches(trainer.recipe, span, trainer.sources)
     cursor, t0 = 0, time.perf_counter()
@@ -172,32 +169,28 @@ def data_headroom(trainer, train_step_s: float, steps: int = 200) -> dict:
 
 def checkpoint_stall(trainer, repeats: int = 5) -> dict:
     """Seconds the loop blocks for a synchronous save and for a background save (interleaved)."""
-    ck = trainer.ckpt
+    mgr = trainer.ckpt
     sync, background = [], []
     for _ in range(repeats):
         for mode, out in ((False, sync), (True, background)):
-            ck.async_ok = mode
+            mgr.async_ok = mode
             t0 = time.perf_counter()
-            ck.save("bench")
+            mgr.save("bench")
             out.append(time.perf_counter() - t0)
-            ck.writer.wait()  # the write itself finishes off the clock
-    ck.async_ok = False
+            mgr.writer.wait()  # the write itself finishes off the clock
+    mgr.async_ok = False
     s, b = statistics.median(sync), statistics.median(background)
     return {"sync_s": _spread(sync), "background_s": _spread(background), "ratio": b / s}
 
 
 def resume_cost(recipe_path: str, overrides: list[str], trainer, repeats: int = 3) -> dict:
     """Launch-to-first-resumed-step wall time with the data cursor at sample 100 versus 10^9."""
-    from . import checkpoint as ck
-
     base = ck.list_checkpoints(trainer.ckpt.root)[-1].path
     results: dict[str, list[float]] = {"100": [], "1000000000": []}
     root = Path(tempfile.mkdtemp(prefix="resume-bench-"))
     paths = {}
     for cursor in results:
         d = root / f"cursor_{cursor}"
-        import shutil
-
         shutil.copytree(base, d)
         meta = json.loads((d / ck.META).read_text())
         meta["cursor"] = int(cursor)
@@ -228,8 +221,6 @@ def bench_overrides(recipe_path: str) -> list[str]:
 
 
 def run_all(recipe_path: str, rounds: int, chunk: int, threads: int, output_dir: str) -> dict:
-    from .trainer import Trainer
-
     torch.set_num_threads(threads)
     overrides = bench_overrides(recipe_path)
     recipe = load_recipe(recipe_path, overrides)

@@ -50,3 +50,17 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32")
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ckpt / "tokenizer").save_pretrained(out)
     return out
+
+
+def save_final(accelerator, model, tokenizer, out: Path) -> Path:
+    """`out/` (the run's `final/`): save_pretrained model (safetensors) + tokenizer, loadable by
+    AutoModelForCausalLM; ZeRO-3 / FSDP shards are gathered onto the main process."""
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(out, state_dict=state, is_main_process=accelerator.is_main_process,
+                              save_function=accelerator.save)  # fmt: skip
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(out)
+    accelerator.wait_for_everyone()
+    return out

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from . import checkpoint as ck
 from .tracking import read_jsonl
 
 DIVERGE_RATIO = 0.10
@@ -56,7 +57,7 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def _num(v: Any) -> float:
+def as_float(v: Any) -> float:
     try:
         return float(v)
     except (TypeError, ValueError):
@@ -80,7 +81,7 @@ def verdict(
         return "stalled", ["no training metrics logged"]
     if not finished and idle_s is not None and idle_s > stall_minutes * 60:
         return "stalled", [f"no metrics for {idle_s / 60:.0f} minutes and no run_end"]
-    values = [_num(v) for _, v in losses]
+    values = [as_float(v) for _, v in losses]
     tail = values[-max(3, len(values) // 20) :]
     if sum(not math.isfinite(v) for v in tail) > len(tail) // 2:
         return "diverging", ["the latest training losses are not finite"]
@@ -92,7 +93,7 @@ def verdict(
         best, last = min(meds[:-1]), meds[-1]
         if last > best * (1 + DIVERGE_RATIO) and last > meds[-2]:
             return "diverging", [f"smoothed loss {last:.4g} is {last / best - 1:.0%} above its best {best:.4g}"]
-    vals = [(s, _num(v)) for s, v in val if math.isfinite(_num(v))]
+    vals = [(s, as_float(v)) for s, v in val if math.isfinite(as_float(v))]
     if len(vals) >= 3 and len(meds) >= 3:
         best_val = min(v for _, v in vals[:-1])
         rising = vals[-1][1] > best_val * (1 + OVERFIT_RATIO) and vals[-1][1] > vals[-2][1]
@@ -115,6 +116,95 @@ def verdict(
     return "healthy", ["loss trend falling, no spikes"]
 
 
+class HealthMonitor:
+    """The live verdict during training, fed incrementally from the records the run logs (an observer of RunLog),
+    so a check costs no file I/O; seeded once from a resumed run's files. The same `verdict` as check_run.py."""
+
+    def __init__(self, output_dir: str | Path | None = None):
+        self.losses: dict[int, float] = {}
+        self.val: dict[int, Any] = {}
+        self.incidents: list[dict] = []
+        if output_dir is not None:
+            run = load_run(output_dir)
+            self.losses.update(run["losses"])
+            self.val.update((m["step"], m.get("val/avg")) for m in run["evals"])
+            self.incidents = [e for e in run["events"] if e["event"] in ("spike", "rollback")]
+
+    def on_metrics(self, step: int, values: dict[str, Any]) -> None:
+        if "val/avg" in values:
+            self.val[step] = values["val/avg"]
+        elif "loss" in values:
+            # a step logged again after a rollback replaces the earlier value, as in load_run
+            self.losses.update((s, v) for s, v in values.get("step_losses") or [(step, values["loss"])])
+
+    def on_event(self, kind: str, step: int, details: dict[str, Any]) -> None:
+        if kind in ("spike", "rollback"):
+            self.incidents.append({"event": kind, "step": step})
+
+    def verdict(self) -> tuple[str, list[str]]:
+        losses = sorted(self.losses.items())
+        return verdict(losses, sorted(self.val.items()), self.incidents, finished=False, idle_s=0.0)
+
+
+def _stage_summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """First and last loss, last validation and median throughput of each stage that started."""
+    stages = {}
+    for e in run["events"]:
+        if e["event"] == "stage_start":
+            stages[e["stage"]] = {"name": e["stage"], "start_step": e["step"], "seq_len": e.get("seq_len")}
+    for name, st in stages.items():
+        rows = [m for m in run["train"] if m.get("stage") == name]
+        if rows:
+            tps = [as_float(m.get("tokens_per_s")) for m in rows if math.isfinite(as_float(m.get("tokens_per_s")))]
+            st.update(
+                steps_logged=len(rows),
+                loss_first=as_float(rows[0]["loss"]),
+                loss_last=as_float(rows[-1]["loss"]),
+                tokens_per_s=statistics.median(tps) if tps else None,
+            )
+        evs = [m for m in run["evals"] if m.get("stage") == name]
+        if evs:
+            st["val_last"] = as_float(evs[-1].get("val/avg"))
+    return list(stages.values())
+
+
+def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The train/validation gap at the first and last eval, and its trend."""
+    losses = dict(run["losses"])
+    gaps = []
+    for m in run["evals"]:
+        near = [
+            losses[s]
+            for s in range(m["step"] - 10, m["step"] + 1)
+            if s in losses and math.isfinite(as_float(losses[s]))
+        ]
+        if near and m["step"] > 0:
+            gaps.append((m["step"], as_float(m["val/avg"]) - statistics.median(near)))
+    if not gaps:
+        return None
+    trend = gaps[-1][1] - gaps[0][1]
+    return {
+        "first": gaps[0][1],
+        "last": gaps[-1][1],
+        "trend": "widening" if trend > 0.05 else "narrowing" if trend < -0.05 else "stable",
+    }
+
+
+def _gns_summary(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest gradient noise scale against the global batch."""
+    gns = [as_float(m["gns/b_simple"]) for m in run["train"] if "gns/b_simple" in m]
+    gbt = ((run["recipe"] or {}).get("batch") or {}).get("global_batch_tokens")
+    if not (gns and gbt and math.isfinite(gns[-1]) and gns[-1] > 0):
+        return None
+    ratio = gbt / gns[-1]
+    return {
+        "b_simple_tokens": gns[-1],
+        "global_batch_tokens": gbt,
+        "ratio": ratio,
+        "summary": f"the global batch is {ratio:.2g}x the estimated critical batch ({gns[-1]:,.0f} tokens)",
+    }
+
+
 def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoint: bool = True) -> dict[str, Any]:
     """Everything check_run.py prints: verdict, per-stage summaries, train/val gap, incidents, throughput, latest
     verified checkpoint, gradient noise scale."""
@@ -129,72 +219,26 @@ def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoin
     if train:
         out["step"], out["tokens"] = train[-1]["step"], train[-1].get("tokens")
 
-    # per stage
-    starts = [e for e in events if e["event"] == "stage_start"]
-    stages = {}
-    for e in starts:
-        stages[e["stage"]] = {"name": e["stage"], "start_step": e["step"], "seq_len": e.get("seq_len")}
-    for name, st in stages.items():
-        rows = [m for m in train if m.get("stage") == name]
-        if rows:
-            tps = [_num(m.get("tokens_per_s")) for m in rows if math.isfinite(_num(m.get("tokens_per_s")))]
-            st.update(
-                steps_logged=len(rows),
-                loss_first=_num(rows[0]["loss"]),
-                loss_last=_num(rows[-1]["loss"]),
-                tokens_per_s=statistics.median(tps) if tps else None,
-            )
-        evs = [m for m in run["evals"] if m.get("stage") == name]
-        if evs:
-            st["val_last"] = _num(evs[-1].get("val/avg"))
-    out["stages"] = list(stages.values())
-
-    # train/validation gap and its trend
-    losses = dict(run["losses"])
-    gaps = []
-    for m in run["evals"]:
-        near = [
-            losses[s] for s in range(m["step"] - 10, m["step"] + 1) if s in losses and math.isfinite(_num(losses[s]))
-        ]
-        if near and m["step"] > 0:
-            gaps.append((m["step"], _num(m["val/avg"]) - statistics.median(near)))
-    if gaps:
-        trend = gaps[-1][1] - gaps[0][1]
-        out["gap"] = {
-            "first": gaps[0][1],
-            "last": gaps[-1][1],
-            "trend": "widening" if trend > 0.05 else "narrowing" if trend < -0.05 else "stable",
-        }
+    out["stages"] = _stage_summaries(run)
+    if gap := _gap(run):
+        out["gap"] = gap
     out["incidents"] = {
         k: sum(e["event"] == k for e in events) for k in ("spike", "rollback", "skip", "transient", "resume")
     }
     out["skips"] = [[e["stage"], e["first"], e["last"]] for e in events if e["event"] == "skip"]
-    tps = [_num(m.get("tokens_per_s")) for m in train if math.isfinite(_num(m.get("tokens_per_s")))]
+    tps = [as_float(m.get("tokens_per_s")) for m in train if math.isfinite(as_float(m.get("tokens_per_s")))]
     if tps:
         out["throughput"] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_last": tps[-1]}
 
-    # latest verified checkpoint
-    from . import checkpoint as ck
-
-    root = run["dir"] / "checkpoints"
-    if verify_checkpoint:
-        cand, skipped = ck.newest_valid(root)
+    if verify_checkpoint:  # the latest checkpoint that verifies
+        cand, skipped = ck.newest_valid(run["dir"] / "checkpoints")
         out["latest_checkpoint"] = (
             {"path": str(cand.path), "step": cand.meta["step"], "skipped": [[str(p), why] for p, why in skipped]}
             if cand else None
         )  # fmt: skip
 
-    # gradient noise scale
-    gns = [_num(m["gns/b_simple"]) for m in train if "gns/b_simple" in m]
-    gbt = ((run["recipe"] or {}).get("batch") or {}).get("global_batch_tokens")
-    if gns and gbt and math.isfinite(gns[-1]) and gns[-1] > 0:
-        ratio = gbt / gns[-1]
-        out["gns"] = {
-            "b_simple_tokens": gns[-1],
-            "global_batch_tokens": gbt,
-            "ratio": ratio,
-            "summary": f"the global batch is {ratio:.2g}x the estimated critical batch ({gns[-1]:,.0f} tokens)",
-        }
+    if gns := _gns_summary(run):
+        out["gns"] = gns
     return out
 
 

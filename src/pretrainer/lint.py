@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .schedules import lr_lambda, wsd_decay_steps
+from .schedules import lr_lambda
 from .sections import Recipe
-from .stages import stage_spans, total_steps
 
 
 @dataclass(frozen=True)
@@ -35,14 +34,11 @@ def _hq_share(recipe: Recipe, mixture: dict[str, float]) -> float:
     return sum(w for n, w in mixture.items() if n in high) / sum(mixture.values())
 
 
-def lint(recipe: Recipe) -> list[Finding]:
-    """All findings for a recipe; an empty list is a clean bill."""
+def _schedule_rules(recipe: Recipe) -> list[Finding]:
+    """Warmup length and clipping."""
     out: list[Finding] = []
-    spans = stage_spans(recipe)
-    total = total_steps(recipe)
-    total_tokens = sum(s.tokens for s in spans)
-    sched, fn = recipe.schedule, lr_lambda(recipe)
-
+    plan, sched = recipe.plan, recipe.schedule
+    total = plan.total_steps
     warm = sched.warmup_steps
     if warm < min(1000, 0.01 * total):
         out.append(Finding(
@@ -57,13 +53,20 @@ def lint(recipe: Recipe) -> list[Finding]:
             f"warmup is {warm / total:.0%} of the run: those tokens are trained at a tiny learning rate.",
             f"keep warmup under ~5% of the run (e.g. {max(1, round(0.03 * total))}).",
         ))  # fmt: skip
-    if not recipe.clipping.max_grad_norm:
+    if plan.max_grad_norm is None:
         out.append(Finding(
             "PT004", "clipping.max_grad_norm",
             "gradient clipping is disabled: one bad batch can take an arbitrarily large step.",
             "set clipping.max_grad_norm: 1.0.",
         ))  # fmt: skip
 
+    return out
+
+
+def _context_rules(recipe: Recipe) -> list[Finding]:
+    """The advertised context against the trained one, and RoPE changes for longer stages."""
+    out: list[Finding] = []
+    spans = recipe.plan.spans
     # context: the model's advertised window versus what it is trained at
     ctx_cfg = recipe.model.config.get("max_position_embeddings")
     longest = max(s.seq_len for s in spans)
@@ -86,9 +89,16 @@ def lint(recipe: Recipe) -> list[Finding]:
                 "raise the base (rope: {theta: 500000}) or add YaRN scaling in this stage.",
             ))  # fmt: skip
 
-    if sched.type == "wsd":
-        decay = spans[[s.name for s in spans].index(sched.decay_stage)].steps if sched.decay_stage else (
-            wsd_decay_steps(sched, total))  # fmt: skip
+    return out
+
+
+def _decay_rules(recipe: Recipe) -> list[Finding]:
+    """The WSD decay's length and the anneal stage."""
+    out: list[Finding] = []
+    plan, sched, fn = recipe.plan, recipe.schedule, lr_lambda(recipe)
+    spans, total = plan.spans, plan.total_steps
+    if plan.decay_steps is not None:
+        decay = plan.decay_steps
         if decay < 0.05 * total:
             out.append(Finding(
                 "PT007", "schedule.decay_fraction" if not sched.decay_stage else "schedule.decay_stage",
@@ -120,6 +130,14 @@ def lint(recipe: Recipe) -> list[Finding]:
                 "make the weights sum to 1.",
             ))  # fmt: skip
 
+    return out
+
+
+def _operations_rules(recipe: Recipe) -> list[Finding]:
+    """Evaluation, checkpoint cadence and the batch size against the critical batch."""
+    out: list[Finding] = []
+    plan = recipe.plan
+    total, total_tokens = plan.total_steps, plan.total_tokens
     if recipe.eval.every_steps == 0:
         out.append(Finding(
             "PT010", "eval.every_steps",
@@ -157,3 +175,8 @@ def lint(recipe: Recipe) -> list[Finding]:
             f"lower the global batch toward ~{crit:,} tokens (or raise it only as the noise scale grows).",
         ))  # fmt: skip
     return out
+
+
+def lint(recipe: Recipe) -> list[Finding]:
+    """All findings for a recipe; an empty list is a clean bill."""
+    return [f for rules in (_schedule_rules, _context_rules, _decay_rules, _operations_rules) for f in rules(recipe)]

@@ -123,3 +123,23 @@ def set_rope(model: PreTrainedModel, params: dict[str, Any], max_positions: int)
         m.attention_scaling = fresh.attention_scaling
         m.rope_type = fresh.rope_type
         m.max_seq_len_cached = m.original_max_seq_len = config.max_position_embeddings
+
+
+class StageRope:
+    """The RoPE of the live model as the stages so far have set it."""
+
+    def __init__(self, model: PreTrainedModel, stages):
+        self.model, self.stages = model, stages
+        self.base = (dict(model.config.rope_parameters or {}), model.config.max_position_embeddings)
+
+    def enter(self, prev: int, index: int) -> dict[str, Any]:
+        """Apply the RoPE changes of stages prev+1..index (all earlier ones when resuming into a later stage), so
+        `final/config.json` carries the RoPE the model was trained with. Returns the new `rope_parameters`."""
+        if prev > index:  # rolled back into an earlier stage: rebuild RoPE from the recipe's own
+            set_rope(self.model, self.base[0], self.base[1])
+            prev = -1
+        for k in range(prev + 1, index + 1):
+            stage = self.stages[k]
+            if stage.rope is not None:
+                apply_stage_rope(self.model, stage.rope, stage.seq_len)
+        return dict(self.model.config.rope_parameters or {})

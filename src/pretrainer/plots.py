@@ -10,9 +10,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .health import as_float, load_run  # noqa: E402
 from .schedules import lr_lambda  # noqa: E402
 from .sections import Recipe  # noqa: E402
-from .stages import stage_spans, total_steps  # noqa: E402
 
 
 def _rope_label(stage) -> str:
@@ -28,14 +28,14 @@ def _rope_label(stage) -> str:
 
 def plot_schedule(recipe: Recipe, info: dict[str, Any], path: str | Path) -> Path:
     """LR over the whole run; each stage shaded and annotated with its seq_len, RoPE change and tokens."""
-    total = total_steps(recipe)
+    total = recipe.plan.total_steps
     fn, peak = lr_lambda(recipe), recipe.optimizer.lr
     n = min(total, 4000)
     steps = [round(i * (total - 1) / max(1, n - 1)) for i in range(n)]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     ax.plot(steps, [peak * fn(s) for s in steps], color="C0", lw=1.8)
     rope = ""
-    for k, span in enumerate(stage_spans(recipe)):
+    for k, span in enumerate(recipe.plan.spans):
         stage = recipe.stages[span.index]
         rope = _rope_label(stage) or rope  # RoPE changes persist into later stages
         ax.axvspan(span.start_step, span.end_step, color=f"C{k + 1}", alpha=0.12)
@@ -63,17 +63,16 @@ def plot_schedule(recipe: Recipe, info: dict[str, Any], path: str | Path) -> Pat
 def plot_run(output_dir: str | Path, path: str | Path) -> Path:
     """Four panels: train and per-source validation loss (stage boundaries, spikes, rollbacks, skips marked), LR,
     gradient norm, tokens/s."""
-    from .health import _num, load_run
 
     run = load_run(output_dir)
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1, 1]})
     ax = axes[0]
     if run["losses"]:
         s, v = zip(*run["losses"])
-        ax.plot(s, [_num(x) for x in v], lw=0.8, color="C0", label="train")
+        ax.plot(s, [as_float(x) for x in v], lw=0.8, color="C0", label="train")
     sources = sorted({k for m in run["evals"] for k in m if k.startswith("val/")})
     for i, key in enumerate(sources):
-        pts = [(m["step"], _num(m[key])) for m in run["evals"] if key in m]
+        pts = [(m["step"], as_float(m[key])) for m in run["evals"] if key in m]
         ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2 if key == "val/avg" else 0.8, color=f"C{i + 1}", label=key)
     marks = {"spike": ("red", "x"), "rollback": ("purple", "v"), "skip": ("black", "s")}
     for kind, (color, marker) in marks.items():
@@ -89,7 +88,7 @@ def plot_run(output_dir: str | Path, path: str | Path) -> Path:
     ax.set_ylabel("loss")
     ax.legend(fontsize=8, ncol=3)
     for a, key, label in zip(axes[1:], ["lr", "grad_norm", "tokens_per_s"], ["lr", "grad norm", "tokens/s"]):
-        pts = [(m["step"], _num(m.get(key))) for m in run["train"]]
+        pts = [(m["step"], as_float(m.get(key))) for m in run["train"]]
         if pts:
             a.plot(*zip(*pts), lw=1.0)
         a.set_ylabel(label)

@@ -229,3 +229,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v if isinstance(v, int | float | str | bool) or v is None else json.dumps(v)
     return out
+
+
+# Settings that do not change what is trained: free to change on resume.
+BENIGN_ON_RESUME = ("checkpoint.", "logging.", "eval.", "run.name", "run.output_dir", "data.cache_dir")
+
+
+def training_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Differences between two resolved recipes that change the training itself (cadence of checkpoints, logs and
+    evals excluded), one `key: old -> new` line each."""
+    a, b = flatten(old), flatten(new)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not k.startswith(BENIGN_ON_RESUME)]
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys]

@@ -9,28 +9,49 @@
 3. If the replay stays healthy `confirm_steps` past the spike, it was transient (e.g. a corrupted optimizer state
    that the rollback removed): logged, nothing skipped.
 4. More than `max_rollbacks` within `rollback_window` steps stops the run (exit code 76), checkpoints intact.
+
+The handler sees the rest of the run through two narrow collaborators: a `Checkpoints` port (choose, verify,
+restore, protect and release a rollback target) and a `SampleLosses` function (the per-sample losses of a past
+step's batches, rebuilt from its stage and data cursor).
 """
 
 from __future__ import annotations
 
 import json
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
-from . import checkpoint as ck
 from .errors import PretrainerError
+from .sections import SpikesSection
 from .spikes import SpikeDetector, outliers, sample_ranges
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from .state import RunState
 
 SPIKE_ABORT_EXIT = 76
 LEDGER = "skip_ledger.json"
+
+
+class SpikeAbort(PretrainerError):
+    exit_code = SPIKE_ABORT_EXIT
+
+
+class Checkpoints(Protocol):
+    """What recovery needs of the checkpoint manager."""
+
+    def rollback_target(self, max_step: int) -> Path | None: ...
+
+    def verify(self, path: Path) -> list[str]: ...
+
+    def restore(self, path: Path) -> Any: ...
+
+    def protect(self, name: str) -> None: ...
+
+    def release(self, name: str) -> None: ...
+
+
+SampleLosses = Callable[[int, int, list[tuple[int, int]]], tuple[list[int], list[float]]]
+"""(stage, cursor before the step, the stage's skips) -> (the step's global sample indices, each one's loss)."""
 
 
 def read_ledger(output_dir: Path) -> dict | None:
@@ -38,118 +59,110 @@ def read_ledger(output_dir: Path) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-class SpikeAbort(PretrainerError):
-    exit_code = SPIKE_ABORT_EXIT
+def merge_run_ledger(output_dir: Path, state: RunState, handler: SpikeHandler | None) -> None:
+    """After a resume: the run directory's ledger may be newer than the checkpoint (killed during a replay)."""
+    if ledger := read_ledger(output_dir):
+        state.merge_skips(ledger["skips"])
+        if handler is not None:
+            handler.merge_ledger(ledger)
 
 
 class SpikeHandler:
-    def __init__(self, trainer: Trainer):
-        self.t = trainer
-        c = trainer.recipe.spikes
-        self.cfg = c
-        self.detector = SpikeDetector(c.window, c.threshold, c.persistence, c.min_history, grace_steps=c.grace_steps)
-        self.steps: deque[tuple[int, int, int]] = deque(maxlen=c.window + c.persistence + c.confirm_steps)
+    def __init__(
+        self,
+        cfg: SpikesSection,
+        state: RunState,
+        checkpoints: Checkpoints,
+        sample_losses: SampleLosses,
+        log,
+        alert: Callable[[str, str], None],
+        run_dir: Path,
+        is_main: bool = True,
+    ):
+        self.cfg, self.state, self.checkpoints, self.sample_losses = cfg, state, checkpoints, sample_losses
+        self.log, self.alert, self.run_dir, self.is_main = log, alert, Path(run_dir), is_main
+        self.detector = SpikeDetector(
+            cfg.window, cfg.threshold, cfg.persistence, cfg.min_history, grace_steps=cfg.grace_steps
+        )
+        self.steps: deque[tuple[int, int, int]] = deque(maxlen=cfg.window + cfg.persistence + cfg.confirm_steps)
         """(step, stage index, cursor before the step) of recent steps: enough to rebuild their batches."""
         self.pending: dict | None = None
         self.rollback_steps: list[int] = []
 
     # ------------------------------------------------------------------ per step
 
+    def start_grace(self, step: int) -> None:
+        self.detector.start_grace(step)
+
     def record(self, step: int, stage: int, cursor_before: int) -> None:
         self.steps.append((step, stage, cursor_before))
 
-    def after_step(self, step: int, loss: float, grad_norm: float | None) -> bool:
-        """Judge a finished step. Returns True when it rolled back (the loop must re-read its state)."""
+    def after_step(self, step: int, loss: float, grad_norm: float | None):
+        """Judge a finished step. Returns what a rollback restored (the loop must re-read its state), or None."""
         d = self.detector.update(step, loss, grad_norm)
-        log = self.t.log
         if d.kind == "suspect":
-            return False
+            return None
         if d.kind == "ok":
             if self.pending and step >= self.pending["end"] + self.cfg.confirm_steps:
-                log.event("transient", step, onset=self.pending["onset"], end=self.pending["end"])
+                self.log.event("transient", step, onset=self.pending["onset"], end=self.pending["end"])
                 self._close()
-            return False
-        log.event("spike", step, onset=d.onset, reason=d.reason, zscore=d.zscore, loss=loss, grad_norm=grad_norm)
-        self.t.alert("Loss spike", f"step {step}: {d.reason} (onset {d.onset})")
+            return None
+        self.log.event("spike", step, onset=d.onset, reason=d.reason, zscore=d.zscore, loss=loss, grad_norm=grad_norm)
+        self.alert("Loss spike", f"step {step}: {d.reason} (onset {d.onset})")
         p = self.pending
         if p and p["onset"] - self.cfg.persistence <= d.onset <= p["end"]:
-            ranges = self.blame(d.onset, step)
-            for stage, a, b in ranges:
-                self.t.state.skips.append([stage, a, b])
-                log.event("skip", step, stage=stage, first=a, last=b, onset=d.onset)
+            for stage, a, b in self.blame(d.onset, step):
+                self.state.add_skip(stage, a, b)
+                self.log.event("skip", step, stage=stage, first=a, last=b, onset=d.onset)
             self.write_ledger()
             p["end"] = step
             return self.rollback(p["target"], step)
-        target = self.choose_target(d.onset)
+        target = self.checkpoints.rollback_target(d.onset - 2)
         if target is None:
             raise SpikeAbort(f"spike at step {step} ({d.reason}) and no checkpoint from before step {d.onset - 1}")
         self.pending = {"onset": d.onset, "end": step, "target": str(target)}
-        self.t.ckpt.protected.add(target.name)
+        self.checkpoints.protect(target.name)
         return self.rollback(str(target), step)
 
     def _close(self) -> None:
         if self.pending:
-            self.t.ckpt.protected.discard(Path(self.pending["target"]).name)
+            self.checkpoints.release(Path(self.pending["target"]).name)
         self.pending = None
 
     # ------------------------------------------------------------------ rollback
 
-    def choose_target(self, onset: int) -> Path | None:
-        for c in reversed(ck.list_checkpoints(self.t.ckpt.root)):
-            if c.meta["step"] > onset - 2:
-                continue  # saved after the update that produced the first bad loss: suspect
-            if not c.meta.get("loss_stats", {}).get("finite", True):
-                continue
-            if ck.verify(c.path):
-                continue
-            return c.path
-        return None
-
-    def rollback(self, target: str, step: int) -> bool:
+    def rollback(self, target: str, step: int):
         recent = [s for s in self.rollback_steps if s > step - self.cfg.rollback_window]
         if len(recent) >= self.cfg.max_rollbacks:
-            self.t.log.event("rollback_limit", step, rollbacks=len(recent), window=self.cfg.rollback_window)
+            self.log.event("rollback_limit", step, rollbacks=len(recent), window=self.cfg.rollback_window)
             raise SpikeAbort(
                 f"{len(recent)} rollbacks within {self.cfg.rollback_window} steps (spikes.max_rollbacks); stopping "
-                f"at step {step} with checkpoints intact in {self.t.ckpt.root}"
+                f"at step {step} with checkpoints intact in {Path(target).parent}"
             )
         self.rollback_steps.append(step)
-        skips = [list(x) for x in self.t.state.skips]
+        skips = [list(x) for x in self.state.skips]
         pending, rollbacks = self.pending, list(self.rollback_steps)
-        self.t.ckpt.restore(Path(target))
+        restored = self.checkpoints.restore(Path(target))
         # The ledger and the open episode are history, not state: a rollback must not forget them.
-        self.t.state.skips = sorted([list(x) for x in {tuple(x) for x in skips + self.t.state.skips}])
+        self.state.merge_skips(skips)
         self.pending, self.rollback_steps = pending, rollbacks
         self.write_ledger()
-        self.t.log.event("rollback", step, to_step=self.t.state.step, path=target, replayed=step - self.t.state.step)
-        self.t.alert("Rollback", f"step {step} -> {self.t.state.step} ({target})")
-        return True
+        self.log.event("rollback", step, to_step=self.state.step, path=target, replayed=step - self.state.step)
+        self.alert("Rollback", f"step {step} -> {self.state.step} ({target})")
+        return restored
 
     # ------------------------------------------------------------------ blame
 
-    @torch.no_grad()
     def blame(self, first_step: int, last_step: int) -> list[tuple[int, int, int]]:
         """Sample ranges to skip: outliers by per-sample loss among the suspect steps' samples."""
-        t, acc = self.t, self.t.accelerator
         samples: list[tuple[int, int]] = []
         losses: list[float] = []
         latest = {step: (stage, cursor) for step, stage, cursor in self.steps}  # a replayed step counts once
         for step, (stage, cursor) in sorted(latest.items()):
-            if not first_step <= step <= last_step:
-                continue
-            batcher = t.batches_for(stage)
-            skips = t.state.skips_for(stage)
-            idx, _ = batcher.indices(cursor, skips)
-            batches, _, _ = batcher.step_batches(cursor, acc.process_index, acc.num_processes, skips)
-            mine = []
-            for mb in batches:
-                mb = mb.to(acc.device)
-                logits = t.model(input_ids=mb, use_cache=False).logits.float()
-                per_tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), mb[:, 1:], reduction="none")
-                mine.append(per_tok.mean(dim=1))
-            per_row = acc.gather(torch.cat(mine)).tolist()  # rank order = sample order
-            samples += [(stage, i) for i in idx]
-            losses += per_row
+            if first_step <= step <= last_step:
+                idx, per_sample = self.sample_losses(stage, cursor, self.state.skips_for(stage))
+                samples += [(stage, i) for i in idx]
+                losses += per_sample
         # 2.5 one-sided robust sd: generous on purpose; a wrongly blamed clean sample costs one skipped sequence,
         # a missed poisoned one costs another rollback
         bad = outliers(losses, 2.5) or list(range(len(samples)))
@@ -159,16 +172,29 @@ class SpikeHandler:
             out += [(stage, a, b) for a, b in sample_ranges(idx, self.cfg.skip_margin)]
         return out
 
+    # ------------------------------------------------------------------ ledger and persistence
+
     def write_ledger(self) -> None:
         """skip_ledger.json in the run directory: the ledger plus the open episode, so a process killed during a
         replay resumes with both (checkpoints carry them too)."""
-        if self.t.accelerator.is_main_process:
-            path = self.t.output_dir / LEDGER
+        if self.is_main:
+            path = self.run_dir / LEDGER
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"skips": self.t.state.skips, **self.state_dict()}, indent=1))
+            tmp.write_text(json.dumps({"skips": self.state.skips, **self.state_dict()}, indent=1))
             tmp.rename(path)
 
-    # ------------------------------------------------------------------ persistence
+    def resume_target(self, path: Path, step: int) -> Path:
+        """The checkpoint to resume from instead of `path` (at `step`): when a process died during a replay, the
+        newest checkpoint may hold the spike, so go back to the open episode's target."""
+        pend = (read_ledger(self.run_dir) or {}).get("pending")
+        if pend and step > pend["onset"] - 2 and not self.checkpoints.verify(Path(pend["target"])):
+            return Path(pend["target"])
+        return path
+
+    def merge_ledger(self, ledger: dict) -> None:
+        """After a resume: the run directory's ledger may be newer than the checkpoint (killed during a replay)."""
+        self.pending = ledger.get("pending")
+        self.rollback_steps = sorted(set(self.rollback_steps) | set(ledger.get("rollbacks", [])))
 
     def state_dict(self) -> dict:
         return {"detector": self.detector.state_dict(), "pending": self.pending, "rollbacks": self.rollback_steps}
@@ -178,15 +204,4 @@ class SpikeHandler:
         self.pending = state.get("pending")
         self.rollback_steps = list(state.get("rollbacks", []))
         if self.pending:
-            self.t.ckpt.protected.add(Path(self.pending["target"]).name)
-
-
-def poison(rows: list[np.ndarray], indices: list[int], first: int, last: int, vocab: int) -> list[np.ndarray]:
-    """Fault injection: rows whose sample index lies in [first, last] become random tokens (seeded by the index,
-    so the same data spike again on replay)."""
-    out = []
-    for row, i in zip(rows, indices):
-        if first <= i <= last:
-            row = np.random.default_rng(i).integers(0, vocab, size=len(row)).astype(row.dtype)
-        out.append(row)
-    return out
+            self.checkpoints.protect(Path(self.pending["target"]).name)

@@ -12,8 +12,7 @@ from collections.abc import Callable
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from .sections import Recipe, ScheduleSection
-from .stages import stage_spans, total_steps
+from .sections import Recipe
 
 
 def wsd(
@@ -68,29 +67,21 @@ def _transformers_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return sched.lr_lambdas[0]
 
 
-def wsd_decay_steps(schedule: ScheduleSection, total: int) -> int:
-    return max(1, round(schedule.decay_fraction * total))
-
-
 def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
-    """The recipe's schedule as f(step) -> multiplier, over the whole run."""
-    s, total = recipe.schedule, total_steps(recipe)
+    """The recipe's schedule as f(step) -> multiplier, over the whole run (the decay window from its run plan)."""
+    s, plan = recipe.schedule, recipe.plan
     if s.type == "cosine":
-        return _transformers_cosine(s.warmup_steps, total, s.min_lr_ratio)
-    decay, start = wsd_decay_steps(s, total), None
-    if s.decay_stage is not None:
-        span = next(sp for sp in stage_spans(recipe) if sp.name == s.decay_stage)
-        decay, start = span.steps, span.start_step
+        return _transformers_cosine(s.warmup_steps, plan.total_steps, s.min_lr_ratio)
 
     def f(step: int) -> float:
         return wsd(
             step,
             warmup_steps=s.warmup_steps,
-            total_steps=total,
-            decay_steps=decay,
+            total_steps=plan.total_steps,
+            decay_steps=plan.decay_steps,
             decay_shape=s.decay_shape,
             min_lr_ratio=s.min_lr_ratio,
-            decay_start=start,
+            decay_start=plan.decay_start,
         )
 
     return f

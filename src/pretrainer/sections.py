@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from .plan import RunPlan, build_plan
 
 
 class Section(BaseModel):
@@ -304,6 +306,7 @@ class Recipe(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     debug: DebugSection = Field(default_factory=DebugSection)
+    _plan: RunPlan = PrivateAttr()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
@@ -336,20 +339,6 @@ class Recipe(Section):
                 f"batch.global_batch_tokens: {self.batch.global_batch_tokens} is not a multiple of the tokens per "
                 f"micro batch ({self.batch.micro_batch_size} x {self.stages[0].seq_len} = {micro_tokens})"
             )
-        total = sum(
-            st.steps if st.steps is not None else -(-st.tokens // self.batch.global_batch_tokens) for st in self.stages
-        )
-        if self.schedule.warmup_steps >= total:
-            raise ValueError(
-                f"schedule.warmup_steps: {self.schedule.warmup_steps} is not below the run's {total} steps"
-            )
-        if self.schedule.type == "wsd" and self.schedule.decay_stage is None:
-            decay = max(1, round(self.schedule.decay_fraction * total))
-            if self.schedule.warmup_steps > total - decay:
-                raise ValueError(
-                    f"schedule.warmup_steps: warmup ({self.schedule.warmup_steps}) runs into the WSD decay, which "
-                    f"starts at step {total - decay} of {total}"
-                )
         if self.schedule.decay_stage is not None:
             if self.schedule.type != "wsd":
                 raise ValueError("schedule.decay_stage: only a WSD schedule has a decay to pin to a stage")
@@ -357,21 +346,28 @@ class Recipe(Section):
                 raise ValueError(
                     f"schedule.decay_stage: no stage named {self.schedule.decay_stage!r} (stages: {names})"
                 )
-            k = names.index(self.schedule.decay_stage)
-            start = sum(
-                st.steps if st.steps is not None else -(-st.tokens // self.batch.global_batch_tokens)
-                for st in self.stages[:k]
+        plan = build_plan(self)
+        warm = self.schedule.warmup_steps
+        if warm >= plan.total_steps:
+            raise ValueError(f"schedule.warmup_steps: {warm} is not below the run's {plan.total_steps} steps")
+        if plan.decay_start is not None and warm > plan.decay_start:
+            into = (
+                f"the decay stage {self.schedule.decay_stage!r}, which starts at step {plan.decay_start}"
+                if self.schedule.decay_stage
+                else f"the WSD decay, which starts at step {plan.decay_start} of {plan.total_steps}"
             )
-            if self.schedule.warmup_steps > start:
-                raise ValueError(
-                    f"schedule.warmup_steps: warmup ({self.schedule.warmup_steps}) runs into the decay stage "
-                    f"{self.schedule.decay_stage!r}, which starts at step {start}"
-                )
+            raise ValueError(f"schedule.warmup_steps: warmup ({warm}) runs into {into}")
         if self.tokenizer.train and self.tokenizer.train.sources:
             for src in self.tokenizer.train.sources:
                 if src not in self.data.sources:
                     raise ValueError(f"tokenizer.train.sources: {src!r} is not defined in data.sources")
+        self._plan = plan
         return self
+
+    @property
+    def plan(self) -> RunPlan:
+        """Stage spans, total steps, decay window, clipping: derived once, when the recipe was validated."""
+        return self._plan
 
     @property
     def output_dir(self) -> str:

@@ -8,7 +8,7 @@ from .lint import lint
 from .model import build_config, build_model, count_params, flops_per_token, non_embedding_params
 from .schedules import lr_lambda
 from .sections import Recipe
-from .stages import stage_spans, total_steps
+from .tokenizer import load_tokenizer
 
 
 def vocab_size_for(recipe: Recipe) -> int | None:
@@ -17,8 +17,7 @@ def vocab_size_for(recipe: Recipe) -> int | None:
         return None  # the config's own value stands
     if recipe.tokenizer.train is not None:
         return recipe.tokenizer.train.vocab_size
-    from .tokenizer import load_tokenizer  # a hub id: this needs the network (or the HF cache)
-
+    # a hub id: this needs the network (or the HF cache)
     return len(load_tokenizer(recipe.tokenizer, recipe.model.trust_remote_code))
 
 
@@ -32,7 +31,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
     peak = recipe.optimizer.lr
     stages = []
     total_flops = 0
-    for s in stage_spans(recipe):
+    for s in recipe.plan.spans:
         st = recipe.stages[s.index]
         fpt = flops_per_token(config, n_non_emb, s.seq_len)
         total_flops += fpt * s.tokens
@@ -56,7 +55,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
     return {
         "params": params,
         "non_embedding_params": n_non_emb,
-        "total_steps": total_steps(recipe),
+        "total_steps": recipe.plan.total_steps,
         "total_tokens": sum(s["tokens"] for s in stages),
         "total_flops": total_flops,
         "stages": stages,

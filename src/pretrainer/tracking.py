@@ -7,9 +7,12 @@ import json
 import math
 import netrc
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 
 def wandb_has_key() -> bool:
@@ -48,6 +51,8 @@ class RunLog:
         self.accelerator = accelerator
         self.enabled = enabled
         self.t0 = time.time()
+        self.observers: list = []
+        """Objects with on_metrics(step, values) and on_event(kind, step, details), told of every record."""
 
     def _append(self, name: str, record: dict) -> None:
         if not self.enabled:
@@ -57,11 +62,15 @@ class RunLog:
 
     def metrics(self, step: int, values: dict[str, Any]) -> None:
         self._append("metrics.jsonl", {"step": step, "time": round(time.time() - self.t0, 3), **values})
+        for o in self.observers:
+            o.on_metrics(step, values)
         numeric = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         self.accelerator.log(numeric, step=step)
 
     def event(self, kind: str, step: int, **details: Any) -> None:
         self._append("events.jsonl", {"event": kind, "step": step, "time": round(time.time() - self.t0, 3), **details})
+        for o in self.observers:
+            o.on_event(kind, step, details)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -76,3 +85,15 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+def alert(accelerator, report_to: list[str], title: str, text: str) -> None:
+    """A W&B alert when W&B is online; always a line above the progress bar (events.jsonl has the record)."""
+    if not accelerator.is_main_process:
+        return
+    tqdm.write(f"[{title}] {text}", file=sys.stderr)
+    if "wandb" in report_to and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        try:
+            accelerator.get_tracker("wandb", unwrap=True).alert(title=title, text=text)
+        except Exception:  # an alert must never take the run down
+            pass

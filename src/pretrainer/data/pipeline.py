@@ -11,8 +11,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
+from ..faults import poison
+from ..plan import StageSpan
 from ..sections import Recipe
-from ..stages import StageSpan
 from ..tokenizer import load_tokenizer, trained_tokenizer
 from .packing import WindowTable, long_doc_windows, plain_windows
 from .sampler import MixtureSampler, next_indices
@@ -135,8 +136,6 @@ class StageBatches:
             if d.epoch:
                 self.repeats[d.source] += 1
         if self.poison is not None:
-            from ..recovery import poison
-
             rows = poison(rows, mine, *self.poison)
         mb = self.span.micro_batch_size
         batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]

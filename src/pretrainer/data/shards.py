@@ -50,27 +50,12 @@ def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def prepare_source(
-    name: str,
-    docs: Iterable[str],
-    tokenizer: PreTrainedTokenizerBase,
-    out_dir: Path,
-    validation_fraction: float,
-    workers: int = 1,
-    shard_docs: int = 2000,
-    progress: bool = False,
-) -> dict:
-    """Tokenize `docs` into `out_dir` (see the module docstring); finished shards are kept and reused.
-
-    Returns:
-        The manifest (also written to `out_dir/manifest.json`).
-    """
-    out_dir = Path(out_dir)
-    if (out_dir / "manifest.json").exists():
-        return json.loads((out_dir / "manifest.json").read_text())
-    shard_root = out_dir / "shards"
+def _tokenize_shards(
+    name, docs, tokenizer, shard_root: Path, workers: int, shard_docs: int, progress: bool
+) -> list[str]:
+    """Tokenize `docs` in chunks of `shard_docs` into shard directories; returns their paths (finished ones from an
+    earlier run are reused)."""
     shard_root.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     jobs, done = [], []
     for i, chunk in enumerate(_chunks(docs, shard_docs)):
         path = shard_root / f"shard_{i:05d}"
@@ -90,6 +75,29 @@ def prepare_source(
             done.append(_tokenize_shard(job)[0])
             bar.update(1)
     bar.close()
+    return done
+
+
+def prepare_source(
+    name: str,
+    docs: Iterable[str],
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: Path,
+    validation_fraction: float,
+    workers: int = 1,
+    shard_docs: int = 2000,
+    progress: bool = False,
+) -> dict:
+    """Tokenize `docs` into `out_dir` (see the module docstring); finished shards are kept and reused.
+
+    Returns:
+        The manifest (also written to `out_dir/manifest.json`).
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "manifest.json").exists():
+        return json.loads((out_dir / "manifest.json").read_text())
+    t0 = time.perf_counter()
+    done = _tokenize_shards(name, docs, tokenizer, out_dir / "shards", workers, shard_docs, progress)
     if not done:
         raise DataError(f"data.sources.{name}: no documents with text")
     shards = [load_arrays(Path(p)) for p in sorted(done)]

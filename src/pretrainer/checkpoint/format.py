@@ -1,4 +1,4 @@
-"""Checkpoints you can trust: when to save, atomic saves, manifest, verification, retention, pick-for-resume.
+"""The checkpoint format: manifest, verification, listing, retention, all as functions of what is on disk.
 
 A checkpoint is `checkpoints/step_00001000/`: Accelerate's `save_state` (model, optimizer, RNG; DeepSpeed/FSDP shards
 included) plus `meta.json` (our state) plus `manifest.json` (size and sha256 of every file), written into a hidden
@@ -12,15 +12,14 @@ import hashlib
 import json
 import os
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from .errors import PretrainerError
+from ..errors import PretrainerError
 
 MANIFEST = "manifest.json"
 META = "meta.json"
@@ -41,7 +40,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -69,8 +68,6 @@ def write_manifest(directory: Path) -> dict:
 
 def _finite_problems(directory: Path) -> list[str]:
     """Non-finite values in the saved weights and optimizer state (formats loaded without executing code)."""
-    from safetensors import safe_open
-
     problems = []
     for f in sorted(directory.glob("model*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -145,15 +142,31 @@ def list_checkpoints(root: Path) -> list[Candidate]:
     return sorted(out, key=lambda c: (c.meta["step"], c.meta.get("saved_at", 0)))
 
 
-def newest_valid(root: Path) -> tuple[Candidate | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies, and the newer ones skipped with the reason."""
+def newest_valid(
+    root: Path, max_step: int | None = None, finite_losses: bool = False
+) -> tuple[Candidate | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that verifies, and the newer ones skipped for failing verification, with the reason.
+
+    Args:
+        max_step: consider only checkpoints saved at or before this step (a rollback target predates its spike).
+        finite_losses: consider only checkpoints whose recorded recent losses were all finite.
+    """
     skipped = []
     for c in reversed(list_checkpoints(root)):
+        if max_step is not None and c.meta["step"] > max_step:
+            continue
+        if finite_losses and not c.meta.get("loss_stats", {}).get("finite", True):
+            continue
         problems = verify(c.path)
         if not problems:
             return c, skipped
         skipped.append((c.path, "; ".join(problems[:3])))
     return None, skipped
+
+
+def tokens_crossed(every_tokens: int | None, tokens_before: int, tokens_now: int) -> bool:
+    """True when a step took the token count across a multiple of `every_tokens` (the token save trigger)."""
+    return bool(every_tokens) and tokens_now // every_tokens > tokens_before // every_tokens
 
 
 def incomplete_dirs(root: Path) -> list[Path]:
@@ -176,110 +189,6 @@ def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | Non
     return keep
 
 
-class Snapshot:
-    """A CPU copy of model + optimizer + RNG state, taken synchronously, written by a background thread."""
-
-    def __init__(self, accelerator, model, optimizer, pool: dict | None = None):
-        """Args:
-        pool: CPU buffers of the previous snapshot (whose write has finished), reused when shapes match:
-            copying into warm memory avoids page faults, the larger part of the loop's blocking time."""
-        copies: dict[int, torch.Tensor] = {}
-        pool = pool if pool is not None else {}
-        self.pool: dict = {}
-
-        def copy(x: torch.Tensor, slot: int) -> torch.Tensor:
-            buf = pool.get(slot)
-            if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-                buf = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=x.is_cuda)
-            buf.copy_(x.detach(), non_blocking=x.is_cuda)
-            self.pool[slot] = buf
-            return buf
-
-        def cpu(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                # Tied weights share storage: copy once, so the file stores them once (as save_state does).
-                key = x.untyped_storage().data_ptr()
-                if key not in copies or copies[key].shape != x.shape:
-                    copies[key] = copy(x, len(self.pool))
-                return copies[key]
-            if isinstance(x, dict):
-                return type(x)((k, cpu(v)) for k, v in x.items())
-            if isinstance(x, list | tuple):
-                return type(x)(cpu(v) for v in x)
-            return x
-
-        self.model_state = cpu(accelerator.get_state_dict(model, unwrap=True))
-        self.optimizer_state = cpu(optimizer.state_dict())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies must land before the writer reads them
-        import random
-
-        import numpy as np
-
-        self.rng = {
-            "step": 0,
-            "random_state": random.getstate(),
-            "numpy_random_seed": np.random.get_state(),
-            "torch_manual_seed": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            self.rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-
-    def write(self, directory: Path, process_index: int) -> None:
-        """The same files, names and formats as Accelerate's save_state, so load_state reads them."""
-        from accelerate.checkpointing import save_accelerator_state
-
-        class _Opt:
-            def __init__(self, s):
-                self.s = s
-
-            def state_dict(self):
-                return self.s
-
-        save_accelerator_state(str(directory), [self.model_state], [_Opt(self.optimizer_state)], [], [], process_index,
-                               0, None, safe_serialization=True)  # fmt: skip
-        torch.save(self.rng, directory / f"random_states_{process_index}.pkl")
-
-
-class BackgroundWriter:
-    """At most one checkpoint write in flight; `wait()` joins it and re-raises its error."""
-
-    def __init__(self):
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-
-    def submit(self, fn) -> None:
-        self.wait()
-
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # surfaced on the training thread by wait()
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
-        self.thread.start()
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
-
-
-def due(
-    every_tokens: int | None, every_minutes: float | None, tokens_before: int, tokens_now: int, minutes_since: float
-) -> str | None:
-    """Why a checkpoint is due after a step, or None. Pure: tokens crossed a multiple, or the clock ran out."""
-    if every_tokens and tokens_now // every_tokens > tokens_before // every_tokens:
-        return "tokens"
-    if every_minutes is not None and minutes_since >= every_minutes:
-        return "time"
-    return None
-
-
 def remove_dir(path: Path) -> str | None:
     """Delete a directory; return the error instead of raising (a failed delete must not kill a run)."""
     try:
@@ -287,7 +196,3 @@ def remove_dir(path: Path) -> str | None:
         return None
     except OSError as e:
         return f"{type(e).__name__}: {e}"
-
-
-def fsync_dir(path: Path) -> None:
-    _fsync_dir(path)

@@ -1,0 +1,301 @@
+"""The checkpoint manager: when to save, atomic saves (synchronous or in the background), retention, protection,
+resume and restore.
+
+It is given the accelerator, the model and optimizer, its recipe section, its root directory, the run state and the
+other stateful parts; it knows nothing else of the trainer. `meta.json` holds the run state at the top level (every
+checkpoint has one; listing, retention and resume read its step and tokens), each part's `state_dict()` under the
+part's name, and the resolved recipe with its hash.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate.utils import DistributedType, broadcast
+
+from ..errors import PretrainerError
+from ..faults import kill_point
+from ..recipe import training_diff
+from ..sections import CheckpointSection
+from ..state import RunState, Stateful
+from . import format as ck
+from .writer import BackgroundWriter, Snapshot
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a resume or rollback put back in place."""
+
+    path: Path
+    step: int
+    meta: dict
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        accelerator,
+        section: CheckpointSection,
+        root: Path,
+        *,
+        model,
+        optimizer,
+        state: RunState,
+        parts: dict[str, Stateful],
+        recipe: dict,
+        recipe_hash: str,
+        stage_names: list[str],
+        log,
+        extra_files: dict[str, Callable[[Path], None]] | None = None,
+    ):
+        """Args:
+        parts: name -> Stateful, saved as `meta[name]` and restored from it.
+        recipe: the resolved recipe as plain data (saved in meta, compared on resume).
+        extra_files: sub-directory name -> writer, called at each save (e.g. the tokenizer)."""
+        self.acc, self.section, self.root = accelerator, section, Path(root)
+        self.model, self.optimizer, self.state, self.parts = model, optimizer, state, parts
+        self.recipe, self.recipe_hash, self.stage_names = recipe, recipe_hash, stage_names
+        self.log, self.extra_files = log, extra_files or {}
+        self.writer = BackgroundWriter()
+        self.protected: set[str] = set()
+        """Checkpoint names that pruning must keep (a rollback target while its episode is open)."""
+        self.last_save = time.monotonic()
+        self._pool: dict = {}  # snapshot buffers, reused between background saves
+        self._config: tuple[object, int, dict] | None = None
+        self.async_ok = section.async_ and accelerator.distributed_type not in (
+            DistributedType.DEEPSPEED,
+            DistributedType.FSDP,
+        )
+
+    # ------------------------------------------------------------------ when
+
+    def mark_clock(self) -> None:
+        self.last_save = time.monotonic()
+
+    def due(self, tokens_before: int, tokens_now: int, stage_end: bool, log_step: bool) -> str | None:
+        """Why a save is due after a step, or None. Token and stage-end triggers every step; the clock only on
+        logging steps, decided by the main process and broadcast (ranks' clocks differ; all must save together)."""
+        s = self.section
+        if stage_end and s.at_stage_end:
+            return "stage_end"
+        if ck.tokens_crossed(s.every_tokens, tokens_before, tokens_now):
+            return "tokens"
+        if not log_step or s.every_minutes is None:
+            return None
+        late = (time.monotonic() - self.last_save) / 60 >= s.every_minutes
+        if self.acc.num_processes > 1:
+            late = bool(broadcast(torch.tensor([float(late)], device=self.acc.device), from_process=0).item())
+        return "time" if late else None
+
+    # ------------------------------------------------------------------ protection (for rollback targets)
+
+    def protect(self, name: str) -> None:
+        self.protected.add(name)
+
+    def release(self, name: str) -> None:
+        self.protected.discard(name)
+
+    # ------------------------------------------------------------------ save
+
+    def _meta(self, reason: str) -> dict:
+        st = self.state
+        return {
+            **st.state_dict(),
+            "stage": self.stage_names[st.stage_index],
+            "reason": reason,
+            "saved_at": time.time(),
+            "world_size": self.acc.num_processes,
+            "recipe_hash": self.recipe_hash,
+            "recipe": self.recipe,
+            "model_config": self._model_config(),
+            **{name: part.state_dict() for name, part in self.parts.items()},
+        }
+
+    def _model_config(self) -> dict:
+        """The model config as saved (RoPE as trained); re-serialised only when a stage changed RoPE."""
+        cfg = self.acc.unwrap_model(self.model).config
+        key = (cfg.rope_parameters, cfg.max_position_embeddings)
+        if self._config is None or self._config[0] is not key[0] or self._config[1] != key[1]:
+            self._config = (key[0], key[1], cfg.to_dict())
+        return self._config[2]
+
+    def save(self, reason: str) -> Path:
+        """Write a checkpoint atomically: state into `.tmp-step_N/`, then meta, extra files, manifest (last), rename.
+
+        Raises:
+            ck.CheckpointError: the write failed; earlier checkpoints are intact and the partial one is removed.
+        """
+        acc = self.acc
+        name = f"step_{self.state.step:08d}"
+        tmp, final = self.root / f"{ck.TMP_PREFIX}{name}", self.root / name
+        t0 = time.perf_counter()
+        self.writer.wait()  # never two writes at once
+        meta = self._meta(reason)
+        if acc.is_main_process:
+            self.root.mkdir(parents=True, exist_ok=True)
+            ck.remove_dir(tmp) if tmp.exists() else None
+        acc.wait_for_everyone()
+        if self.async_ok:
+            snap = Snapshot(acc, self.model, self.optimizer, self._pool)
+            self._pool = snap.pool
+            blocked = time.perf_counter() - t0
+            if acc.is_main_process:
+                self.writer.submit(lambda: self._write(snap, tmp, final, meta, blocked, t0))
+            self.mark_clock()
+            return final
+        try:
+            acc.save_state(str(tmp), safe_serialization=True)
+        except OSError as e:
+            self._fail(tmp, name, e)
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            self._finish_write(tmp, final, meta, None, t0)
+        acc.wait_for_everyone()
+        self.mark_clock()
+        return final
+
+    def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, blocked: float, t0: float) -> None:
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            snap.write(tmp, 0)
+        except OSError as e:
+            self._fail(tmp, final.name, e)
+        self._finish_write(tmp, final, meta, blocked, t0)
+
+    def _fail(self, tmp: Path, name: str, e: OSError):
+        if self.acc.is_main_process:
+            ck.remove_dir(tmp)
+        self.log.event("checkpoint_failed", self.state.step, name=name, error=str(e))
+        raise ck.CheckpointError(
+            f"checkpoint {name} could not be written ({e.strerror or e}); earlier checkpoints in {self.root} are intact"
+        ) from None
+
+    def _finish_write(self, tmp: Path, final: Path, meta: dict, blocked: float | None, t0: float) -> None:
+        """Meta, extra files, manifest (last), rename. `blocked`: seconds the loop waited (None: all of it)."""
+        try:
+            (tmp / ck.META).write_text(json.dumps(meta, indent=1))
+            for sub, write in self.extra_files.items():
+                write(tmp / sub)
+            kill_point("after_state")
+            ck.write_manifest(tmp)
+            if final.exists():  # the same step again (a replay after rollback): the new one replaces it
+                ck.remove_dir(final)
+            tmp.rename(final)
+            ck.fsync_dir(self.root)
+        except OSError as e:
+            self._fail(tmp, final.name, e)
+        self.log.event(
+            "checkpoint", meta["step"], path=str(final), reason=meta["reason"], tokens=meta["tokens"],
+            blocked_s=round(time.perf_counter() - t0 if blocked is None else blocked, 4),
+            total_s=round(time.perf_counter() - t0, 4),
+            bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
+        )  # fmt: skip
+        self.prune()
+
+    def finish(self) -> None:
+        """Wait for a background write, then verify it: the run never exits before its last save is good."""
+        self.writer.wait()
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            cands = ck.list_checkpoints(self.root)
+            if cands and (problems := ck.verify(cands[-1].path)):
+                raise ck.CheckpointError(f"{cands[-1].path}: the last checkpoint does not verify: {problems[:3]}")
+
+    def prune(self) -> None:
+        """Keep the newest `keep_last`, milestones, protected ones, and always the newest that verifies."""
+        cands = ck.list_checkpoints(self.root)
+        keep = ck.to_keep(cands, self.section.keep_last, self.section.keep_every_tokens, self.protected)
+        for c in reversed(cands):  # the newest that passes the (cheap) manifest check is never pruned
+            if not ck.verify(c.path, deep=False):
+                keep.add(c.path)
+                break
+        for c in cands:
+            if c.path not in keep:
+                err = ck.remove_dir(c.path)
+                kind = "prune_failed" if err else "prune"
+                self.log.event(kind, self.state.step, path=str(c.path), **({"error": err} if err else {}))
+
+    # ------------------------------------------------------------------ choose, restore, resume
+
+    def verify(self, path: Path) -> list[str]:
+        return ck.verify(path)
+
+    def rollback_target(self, max_step: int) -> Path | None:
+        """The newest checkpoint saved at or before `max_step` that verifies and recorded only finite losses."""
+        cand, _ = ck.newest_valid(self.root, max_step=max_step, finite_losses=True)
+        return cand.path if cand else None
+
+    def clean_incomplete(self) -> None:
+        """Saves that died are never resumed from; the main process removes them."""
+        if self.acc.is_main_process:
+            for d in ck.incomplete_dirs(self.root):
+                err = ck.remove_dir(d)
+                self.log.event("cleanup_incomplete", 0, path=str(d), error=err)
+        self.acc.wait_for_everyone()
+
+    def find(self, spec: str) -> Path | None:
+        """The checkpoint `spec` names: `auto` (the newest that verifies; None when there is none) or a path."""
+        if spec != "auto":
+            path = Path(spec)
+            if problems := ck.verify(path):
+                raise PretrainerError(f"--resume {spec}: not a valid checkpoint: {'; '.join(problems[:3])}")
+            return path
+        cand, skipped = ck.newest_valid(self.root)
+        for path, why in skipped:
+            self.log.event("resume_skip", 0, path=str(path), reason=why)
+            if self.acc.is_main_process:
+                print(f"resume: skipping {path}: {why}", flush=True)
+        if cand is None and self.acc.is_main_process:
+            print("resume: no valid checkpoint, starting from scratch", flush=True)
+        return cand.path if cand else None
+
+    def check_compatible(self, path: Path, allow_recipe_change: bool) -> None:
+        """Refuse a checkpoint that the current recipe or launch cannot continue, unless the change is allowed."""
+        meta = ck.read_meta(path)
+        if diffs := training_diff(meta["recipe"], self.recipe):
+            if not allow_recipe_change:
+                raise PretrainerError(
+                    f"--resume {path}: the recipe changed since this checkpoint; pass --allow-recipe-change to "
+                    "accept:\n  " + "\n  ".join(diffs)
+                )
+            self.log.event("recipe_change", meta["step"], differences=diffs)
+            if self.acc.is_main_process:
+                out = self.root.parent / f"recipe.step_{meta['step']:08d}.yaml"
+                out.write_text(yaml.safe_dump(meta["recipe"]))
+        if meta["world_size"] != self.acc.num_processes and self.acc.distributed_type == DistributedType.DEEPSPEED:
+            raise PretrainerError(
+                f"--resume {path}: saved by {meta['world_size']} DeepSpeed processes, now {self.acc.num_processes}"
+            )
+
+    def resume(
+        self, spec: str, allow_recipe_change: bool, redirect: Callable[[Path, int], Path] | None = None
+    ) -> Restored | None:
+        """Clean up dead saves, then restore from `spec` (`none`, `auto` or a checkpoint path); None when nothing
+        was restored.
+
+        Args:
+            redirect: (chosen path, its step) -> the path to resume from instead (an open spike episode's target).
+        """
+        self.clean_incomplete()
+        if spec == "none" or (path := self.find(spec)) is None:
+            return None
+        if spec == "auto" and redirect is not None:
+            path = redirect(path, ck.read_meta(path)["step"])
+        self.check_compatible(path, allow_recipe_change)
+        return self.restore(path)
+
+    def restore(self, path: Path) -> Restored:
+        """Load model/optimizer/RNG, the run state and every part from a checkpoint (resume and rollback)."""
+        meta = ck.read_meta(path)
+        self.acc.load_state(str(path))
+        self.state.load_state_dict(meta)
+        for name, part in self.parts.items():
+            if meta.get(name) is not None:
+                part.load_state_dict(meta[name])
+        return Restored(Path(path), self.state.step, meta)

@@ -1,0 +1,79 @@
+"""The library stays readable: small modules, short functions, public names across modules, no import cycles."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "pretrainer"
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for p in sorted(SRC.rglob("*.py")):
+        rel = p.relative_to(SRC.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        out[name] = (p, ast.parse(p.read_text()))
+    return out
+
+
+def resolve(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def test_module_and_function_sizes():
+    for path, tree in modules().values():
+        lines = len(path.read_text().splitlines())
+        assert lines <= 400, f"{path}: {lines} lines"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 60, f"{path}:{node.lineno} {node.name}() is {n} lines"
+    assert len((SRC / "trainer.py").read_text().splitlines()) < 300
+
+
+def test_no_private_imports_and_no_cycles():
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, (path, tree) in mods.items():
+        is_pkg = path.name == "__init__.py"
+        typing_only = {
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+            for n in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or id(node) in typing_only:
+                continue
+            target = resolve(name, node, is_pkg)
+            if not target.startswith("pretrainer"):
+                continue
+            for alias in node.names:
+                assert not alias.name.startswith("_"), f"{path}: imports private {target}.{alias.name}"
+            in_function = any(
+                isinstance(p, ast.FunctionDef | ast.AsyncFunctionDef) and p.lineno <= node.lineno <= p.end_lineno
+                for p in ast.walk(tree)
+            )
+            assert not in_function, f"{path}:{node.lineno}: a function-level import of {target}"
+            for alias in node.names:  # `from . import checkpoint` names a module
+                sub = f"{target}.{alias.name}"
+                graph[name].add(sub if sub in mods else target)
+    # depth-first search for a cycle among module-level imports (a package depends on what its __init__ imports)
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in graph.get(m, ()):
+            if d == m or d not in mods or m.startswith(d + "."):
+                continue  # a package's own modules importing siblings through it is not a cycle of modules
+            assert state.get(d) != 1, f"import cycle: {' -> '.join(stack + [d])}"
+            if d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in mods:
+        if m not in state:
+            visit(m, [m])
