@@ -94,3 +94,21 @@ def test_live_run_without_logs_is_stalled(tmp_path):
 def test_no_verdict_flip_from_noise(seed):
     losses = curve(seed=seed)
     assert verdict(losses, vals(losses), [], True, 0)[0] == "healthy"
+
+
+def test_report_uses_the_live_rule_on_the_logged_curve():
+    """check_run.py judges spikes as the live detector does: a 3-step rise of 5 noise sd that came back is a
+    recovered spike even with no events; one that never came back is divergence."""
+    from pretrainer.spikes import spike_episodes
+
+    losses = curve(n=600, seed=3)
+    bumped = [(s, v + (0.25 if 400 <= s < 403 else 0.0)) for s, v in losses]  # noise sd is 0.05
+    episodes = spike_episodes(bumped, grace_at=[20])
+    assert [e["onset"] for e in episodes] == [400] and episodes[0]["recovered"] is not None
+    assert verdict(bumped, vals(losses), [], True, 0, episodes=episodes)[0] == "recovered from spikes"
+    assert spike_episodes(losses, grace_at=[20]) == []
+    rng = np.random.default_rng(4)  # on a plateau, a jump of 5 noise sd that stays
+    stuck = [(s, 3.0 + 0.05 * rng.standard_normal() + (0.25 if s >= 400 else 0.0)) for s in range(600)]
+    episodes = spike_episodes(stuck, grace_at=[20])
+    v, reasons = verdict(stuck, [], [], True, 0, episodes=episodes)
+    assert v == "diverging" and "since a spike at step 400" in reasons[0]

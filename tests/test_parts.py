@@ -167,12 +167,15 @@ def test_spike_handler_rolls_back_then_skips_the_blamed_samples(tmp_path):
     assert port.restores == [Path("/ckpts/step_00000010")] and port.protected == {"step_00000010"}
     assert log.kinds().count("spike") == 1 and log.kinds().count("rollback") == 1
     # the replay spikes again on the same steps: the blamed samples go to the ledger, and back again
-    h.detector.load_state_dict({"history": [3.0] * 100, "grace_until": 0, "run": []})
+    healthy = {"history": [[s, 3.0 + 0.01 * rng.standard_normal()] for s in range(51, 151)], "grace_until": 0,
+               "run": []}  # fmt: skip
+    h.detector.load_state_dict(healthy)  # what the manager's restore gives the detector back
     assert run(151, 160, spiky={151, 152, 153}) == 153
     assert state.skips == [[0, 1204, 1207]]  # step 151's batch starts at sample 1200; 1204..1207 were poisoned
     ledger = json.loads((tmp_path / LEDGER).read_text())
     assert ledger["skips"] == [[0, 1204, 1207]] and ledger["pending"]["onset"] == 151
     # a healthy replay past confirm_steps closes the episode and releases the target
+    h.detector.load_state_dict(healthy)
     assert run(151, 170, spiky=set()) is None
     assert "transient" in log.kinds() and port.protected == set()
 

@@ -159,3 +159,67 @@ def test_kill_during_replay_keeps_ledger_and_detector(tmp_path, cache_dir):
     assert resume["skips"] == [[0, 473, 486]]  # the ledger survived the kill
     assert ck.list_checkpoints(out / "checkpoints")[-1].meta["skips"] == resume["skips"]
     assert ck.list_checkpoints(out / "checkpoints")[-1].meta["spikes"]["detector"]["history"]
+
+
+# ---------------------------------------------------------------------------- the trend rule with its defaults
+
+
+def test_defaults_find_5sd_3_step_spikes_where_the_level_rule_is_blind():
+    import bench_spikes as b
+
+    found = b.detection(SpikeDetector, sizes=(5, 10), lengths=(3, 10))
+    assert all(v["found"] == v["total"] for v in found.values()), found
+    # the old rule on a steep early descent: the window's spread is the descent, and a 5-sd spike hides in it
+    losses, sd = b.curve("power", 460, seed=3)
+    losses[400:403] += 5 * sd[400:403]
+    assert b.run_detector(b.LevelDetector, losses, None, start=150) == []
+    assert b.run_detector(SpikeDetector, losses, None, start=150) == [400]
+
+
+def test_defaults_no_false_alarms_on_falling_flat_and_shifted_curves():
+    import bench_spikes as b
+
+    for kind in ("power", "plateau", "noisy+shift"):
+        for seed in range(3):
+            losses, _ = b.curve(kind, 7_000, seed)
+            assert b.run_detector(SpikeDetector, losses, b.BOUNDARY if "shift" in kind else None) == [], (kind, seed)
+
+
+def test_stage_shift_is_not_a_spike_and_judging_resumes_quickly():
+    import bench_spikes as b
+
+    losses, sd = b.curve("plateau+shift", b.BOUNDARY + 200, seed=0)  # +0.3 = 30 noise sd at the boundary
+    losses[b.BOUNDARY + 25 : b.BOUNDARY + 28] += 5 * sd[0]
+    assert b.run_detector(SpikeDetector, losses, b.BOUNDARY, start=b.BOUNDARY - 300) == [b.BOUNDARY + 25]
+
+
+TINY_ONE_STAGE = ["--set", "stages=[{name: main, steps: 100, seq_len: 256, mixture: {modules: 0.6, packages: 0.3, "
+                  "curated: 0.1}}]", "--set", "schedule.decay_stage=null", "--set", "checkpoint.every_tokens=81920",
+                  "--set", "eval.every_steps=50", "--set", "logging.report_to=[]"]  # fmt: skip
+
+
+def tiny(out, cache_dir, *extra):
+    return [str(ROOT / "recipes/tiny.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
+            *TINY_ONE_STAGE, *extra]  # fmt: skip
+
+
+def test_default_settings_catch_a_poisoned_range_on_the_tiny_recipe(tmp_path, cache_dir):
+    """The user's case: tiny recipe, default `spikes`, steps 66-69 (samples 2080..2207) poisoned, well after
+    warmup (20) and grace (20). Detected, rolled back, recurs, the whole range is skipped, the run finishes."""
+    clean, bad = tmp_path / "clean", tmp_path / "bad"
+    assert run_recipe.main(tiny(clean, cache_dir)) == 0
+    assert events(clean, "spike") == [] and events(clean, "rollback") == []
+    assert run_recipe.main(tiny(bad, cache_dir, "--set", "debug.inject.poison_samples=[0, 2080, 2207]")) == 0
+    spikes, skips = events(bad, "spike"), events(bad, "skip")
+    assert spikes and spikes[0]["onset"] == 66 and len(events(bad, "rollback")) == 2
+    assert {s["blame"] for s in skips} == {"steps"}  # no sample stands out: the steps' whole batches go
+    assert [(s["first"], s["last"]) for s in skips] == [(2080, 2175)]  # steps 66-68, detected at 68
+    assert abs(final_val(bad) - final_val(clean)) <= 0.05 * final_val(clean)
+
+
+def test_bench_spikes_script(capsys):
+    import bench_spikes
+
+    assert bench_spikes.main(["--steps", "1500"]) == 0
+    table = capsys.readouterr().out
+    assert "| trend (new) |" in table and "| level (old) |" in table and "4,500 healthy steps" in table

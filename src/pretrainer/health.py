@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from . import checkpoint as ck
+from .spikes import spike_episodes
 from .tracking import read_jsonl
 
 DIVERGE_RATIO = 0.10
@@ -75,8 +76,14 @@ def verdict(
     finished: bool,
     idle_s: float | None,
     stall_minutes: float = 30.0,
+    episodes: list[dict] | None = None,
 ) -> tuple[str, list[str]]:
-    """The verdict and the reasons for it (see the module docstring)."""
+    """The verdict and the reasons for it (see the module docstring).
+
+    Args:
+        episodes: spikes found by replaying the live rule over `losses` (`spikes.spike_episodes`); the live check
+            passes None, since the live detector's own spikes are in `events`.
+    """
     if not losses:
         return "stalled", ["no training metrics logged"]
     if not finished and idle_s is not None and idle_s > stall_minutes * 60:
@@ -93,6 +100,9 @@ def verdict(
         best, last = min(meds[:-1]), meds[-1]
         if last > best * (1 + DIVERGE_RATIO) and last > meds[-2]:
             return "diverging", [f"smoothed loss {last:.4g} is {last / best - 1:.0%} above its best {best:.4g}"]
+    unrecovered = [e for e in episodes or [] if e["recovered"] is None and values and losses[-1][0] - e["onset"] >= 10]
+    if unrecovered:
+        return "diverging", [f"the loss has stayed above its trend since a spike at step {unrecovered[-1]['onset']}"]
     vals = [(s, as_float(v)) for s, v in val if math.isfinite(as_float(v))]
     if len(vals) >= 3 and len(meds) >= 3:
         best_val = min(v for _, v in vals[:-1])
@@ -107,7 +117,7 @@ def verdict(
         prev, last = statistics.median(finite[-2 * q : -q]), statistics.median(finite[-q:])
         if (prev - last) / abs(prev) < PLATEAU_RATIO:
             return "plateaued", [f"the last quarter improved {(prev - last) / abs(prev):.2%} on the one before"]
-    n_spikes = sum(e["event"] == "spike" for e in events)
+    n_spikes = max(sum(e["event"] == "spike" for e in events), len(episodes or []))
     if n_spikes:
         reasons.append(
             f"{n_spikes} spike(s), {sum(e['event'] == 'rollback' for e in events)} rollback(s); trend healthy"
@@ -213,7 +223,10 @@ def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoin
     finished = any(e["event"] == "run_end" for e in events)
     idle = time.time() - run["last_write"] if run["last_write"] else None
     val = [(m["step"], m.get("val/avg")) for m in run["evals"]]
-    v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes)
+    warmup = (((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0
+    grace_at = [warmup] + [e["step"] for e in events if e["event"] == "stage_start" and e["step"] > 0]
+    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_at)
+    v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes)
     out: dict[str, Any] = {"dir": str(run["dir"]), "verdict": v, "reasons": reasons, "finished": finished}
     train = run["train"]
     if train:

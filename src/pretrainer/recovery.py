@@ -18,6 +18,7 @@ step's batches, rebuilt from its stage and data cursor).
 from __future__ import annotations
 
 import json
+import statistics
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -111,9 +112,10 @@ class SpikeHandler:
         self.alert("Loss spike", f"step {step}: {d.reason} (onset {d.onset})")
         p = self.pending
         if p and p["onset"] - self.cfg.persistence <= d.onset <= p["end"]:
-            for stage, a, b in self.blame(d.onset, step):
+            ranges, by = self.blame(d.onset, step, d.expected)
+            for stage, a, b in ranges:
                 self.state.add_skip(stage, a, b)
-                self.log.event("skip", step, stage=stage, first=a, last=b, onset=d.onset)
+                self.log.event("skip", step, stage=stage, first=a, last=b, onset=d.onset, blame=by)
             self.write_ledger()
             p["end"] = step
             return self.rollback(p["target"], step)
@@ -153,8 +155,16 @@ class SpikeHandler:
 
     # ------------------------------------------------------------------ blame
 
-    def blame(self, first_step: int, last_step: int) -> list[tuple[int, int, int]]:
-        """Sample ranges to skip: outliers by per-sample loss among the suspect steps' samples."""
+    def blame(
+        self, first_step: int, last_step: int, expected: float | None = None
+    ) -> tuple[list[tuple[int, int, int]], str]:
+        """Sample ranges to skip, and how they were chosen: `samples` (outliers by per-sample loss among the suspect
+        steps' samples) or `steps` (all of the steps' samples, when no sample stands out).
+
+        Args:
+            expected: the trend's loss for the spike's steps. Outliers that would leave the rest of the batch still
+                more than half the spike's excess above it do not explain the spike: then no sample stands out.
+        """
         samples: list[tuple[int, int]] = []
         losses: list[float] = []
         latest = {step: (stage, cursor) for step, stage, cursor in self.steps}  # a replayed step counts once
@@ -165,12 +175,18 @@ class SpikeHandler:
                 losses += per_sample
         # 2.5 one-sided robust sd: generous on purpose; a wrongly blamed clean sample costs one skipped sequence,
         # a missed poisoned one costs another rollback
-        bad = outliers(losses, 2.5) or list(range(len(samples)))
+        bad = outliers(losses, 2.5)
+        if bad and expected is not None and len(bad) < len(losses):
+            rest = [v for k, v in enumerate(losses) if k not in set(bad)]
+            if statistics.fmean(rest) - expected > (statistics.fmean(losses) - expected) / 2:
+                bad = []  # the whole batch is elevated (PaLM's case): skipping a few samples would not help
+        by = "samples" if bad else "steps"
+        bad = bad or list(range(len(samples)))
         out = []
         for stage in sorted({s for s, _ in samples}):
             idx = [samples[k][1] for k in bad if samples[k][0] == stage]
             out += [(stage, a, b) for a, b in sample_ranges(idx, self.cfg.skip_margin)]
-        return out
+        return out, by
 
     # ------------------------------------------------------------------ ledger and persistence
 

@@ -244,13 +244,17 @@ class SpikesSection(Section):
     enabled: bool = True
     """Detect spikes and recover by rollback. Costs one host sync per step (the NaN guard reads two scalars)."""
     window: int = Field(default=100, ge=5)
-    threshold: float = Field(default=6.0, gt=0)
-    """Robust standard deviations (1.4826 x MAD) above the window's median that make a loss suspect."""
+    """Healthy steps the trend is fitted on."""
+    threshold: float = Field(default=3.0, gt=0)
+    """Mean z-score over `persistence` steps in a row that makes a spike; z is a loss's residual from the fitted
+    trend in robust sd of the noise around it (1.4826 x MAD). Each of those steps is above threshold / 2."""
     persistence: int = Field(default=3, ge=1)
     """Suspect steps in a row that make a spike (NaN/inf: one step)."""
     min_history: int = Field(default=20, ge=3)
-    grace_steps: int = Field(default=50, ge=0)
-    """No judgement this many steps after warmup and after each stage start."""
+    """Steps of the current stage needed before the trend is judged."""
+    grace_steps: int = Field(default=20, ge=0)
+    """No judgement this many steps after warmup and after each stage start (the trend is refitted on the new
+    stage's steps)."""
     max_rollbacks: int = Field(default=5, ge=1)
     rollback_window: int = Field(default=1000, ge=1)
     """At most `max_rollbacks` rollbacks within this many steps; past it the run stops (exit code 76)."""
