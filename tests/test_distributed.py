@@ -33,6 +33,8 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stderr[-4000:]
     start = read_jsonl(out / "events.jsonl")[0]
     assert start["event"] == "run_start" and start["world"] == 2  # accelerator.num_processes == 2
+    assert proc.stdout.count("run micro:") == 1 and proc.stdout.count("done.") == 1  # the main process alone
+    assert "2 process(es)" in proc.stdout
     val = [m["val/avg"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m]
     assert val[-1] < val[0] - 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # gathered from ZeRO-3 shards

@@ -66,6 +66,7 @@ def test_report_plot_and_trainer_health_events(tmp_path, cache_dir, capsys):
     out = tmp_path / "run"
     assert run_recipe.main([str(FIXTURES / "micro.yaml"), "--output-dir", str(out),
                             "--set", f"data.cache_dir={cache_dir}", "--set", "eval.every_steps=10"]) == 0  # fmt: skip
+    capsys.readouterr()  # the run's own console blocks
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     health = [e for e in events if e["event"] == "health"]
     assert [e["step"] for e in health] == [10, 20, 30] and health[-1]["verdict"] == "healthy"

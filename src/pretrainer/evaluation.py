@@ -4,6 +4,7 @@ blaming a recurring spike on its data)."""
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +27,9 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, seq_len: int, micro: int) -> dict[str, float]:
-        """`val/<source>` and `val/avg`. Split over ranks; every rank runs the same number of forwards (ZeRO-3
-        gathers parameters inside forward, so an uneven count would hang)."""
-        acc, model = self.acc, self.model
+        """`val/<source>`, `val/avg` and `eval/seconds`. Split over ranks; every rank runs the same number of
+        forwards (ZeRO-3 gathers parameters inside forward, so an uneven count would hang)."""
+        acc, model, t0 = self.acc, self.model, time.perf_counter()
         model.eval()
         if (seq_len, micro) not in self._cache:
             self._cache[(seq_len, micro)] = validation_batches(
@@ -49,6 +50,7 @@ class Evaluator:
             total = acc.reduce(total, reduction="sum")
             out[f"val/{name}"] = (total[0] / total[1]).item()
         out["val/avg"] = sum(out.values()) / len(self.names)
+        out["eval/seconds"] = time.perf_counter() - t0
         model.train()
         return out
 

@@ -60,12 +60,24 @@ def read_ledger(output_dir: Path) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def merge_run_ledger(output_dir: Path, state: RunState, handler: SpikeHandler | None) -> None:
-    """After a resume: the run directory's ledger may be newer than the checkpoint (killed during a replay)."""
+def resume_run(ckpt, handler: SpikeHandler | None, state: RunState, log, output_dir: Path, spec: str,
+               allow_recipe_change: bool, is_main: bool):  # fmt: skip
+    """Restore from `--resume` (`none`, `auto` or a path; an open spike episode's target when a process died in a
+    replay), then merge the run directory's skip ledger, which may be newer than the checkpoint. Returns what was
+    restored, or None."""
+    redirect = handler.resume_target if handler else None
+    restored = ckpt.resume(spec, allow_recipe_change, redirect)
+    if restored is None:
+        return None
     if ledger := read_ledger(output_dir):
         state.merge_skips(ledger["skips"])
         if handler is not None:
             handler.merge_ledger(ledger)
+    log.event("resume", state.step, path=str(restored.path), tokens=state.tokens, stage=restored.meta["stage"],
+              cursor=state.cursor, skips=state.skips)  # fmt: skip
+    if is_main:
+        print(f"resume: from {restored.path} at step {state.step}", flush=True)
+    return restored
 
 
 class SpikeHandler:

@@ -20,6 +20,6 @@ def prepare_run_dir(output_dir: Path, resume: str, overwrite: bool) -> None:
             f"another --output-dir, or pass --overwrite to start over"
         )
     if int(os.environ.get("RANK", "0")) == 0:
-        for name in ("metrics.jsonl", "events.jsonl"):
+        for name in ("metrics.jsonl", "events.jsonl", "wandb_id"):  # a new W&B run too
             (output_dir / name).unlink(missing_ok=True)
         shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)

@@ -292,6 +292,8 @@ class LoggingSection(Section):
     """Trackers besides metrics.jsonl. W&B runs offline when no API key is configured."""
     project: str = "pretrainer"
     """W&B project / TensorBoard sub-directory."""
+    peak_tflops: float | None = Field(default=None, gt=0)
+    """Peak TFLOP/s of one device for MFU; default: a table of known GPUs (H100/H200 989 dense bf16), none on CPU."""
 
 
 class Recipe(Section):

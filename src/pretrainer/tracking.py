@@ -4,11 +4,14 @@ through Accelerate's trackers."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import netrc
 import os
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +46,24 @@ def _clean(v: Any) -> Any:
     return v
 
 
+INCIDENTS = ("spike", "rollback", "skip", "transient", "skipped_update", "checkpoint", "stage_start", "resume")
+"""Events that are also metrics rows (cumulative `incidents/<kind>` and a `marker/<kind>` at the optimizer step),
+so dashboards show them where they happened."""
+
+
+def tracked(row: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a metrics row as trackers get them, with the optimizer step and tokens as axes."""
+    out = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    out.pop("time", None)
+    out["train/step"] = out.pop("step")
+    if "tokens" in out:
+        out["train/tokens"] = out.pop("tokens")
+    return out
+
+
 class RunLog:
-    """Appends one JSON object per line; only the main process writes."""
+    """Appends one JSON object per line (only the main process writes) and mirrors each metrics row to the
+    trackers at tracker step = its row number in metrics.jsonl, which only grows across resumes and rollbacks."""
 
     def __init__(self, output_dir: Path, accelerator, enabled: bool):
         self.dir = Path(output_dir)
@@ -53,6 +72,14 @@ class RunLog:
         self.t0 = time.time()
         self.observers: list = []
         """Objects with on_metrics(step, values) and on_event(kind, step, details), told of every record."""
+        self.lock = threading.Lock()  # a background checkpoint write logs from its own thread
+        self.rows = 0
+        self.counts: Counter[str] = Counter()
+        if enabled:  # continue the numbering and the incident counts of an earlier launch (read once)
+            _seal(self.dir / "metrics.jsonl")
+            _seal(self.dir / "events.jsonl")
+            self.rows = len(read_jsonl(self.dir / "metrics.jsonl"))
+            self.counts.update(e["event"] for e in read_jsonl(self.dir / "events.jsonl") if e["event"] in INCIDENTS)
 
     def _append(self, name: str, record: dict) -> None:
         if not self.enabled:
@@ -61,16 +88,48 @@ class RunLog:
             f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
     def metrics(self, step: int, values: dict[str, Any]) -> None:
-        self._append("metrics.jsonl", {"step": step, "time": round(time.time() - self.t0, 3), **values})
+        row = {"step": step, "time": round(time.time() - self.t0, 3), **values}
+        with self.lock:
+            self._append("metrics.jsonl", row)
+            self.accelerator.log(tracked(row), step=self.rows)
+            self.rows += self.enabled
         for o in self.observers:
             o.on_metrics(step, values)
-        numeric = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-        self.accelerator.log(numeric, step=step)
 
     def event(self, kind: str, step: int, **details: Any) -> None:
         self._append("events.jsonl", {"event": kind, "step": step, "time": round(time.time() - self.t0, 3), **details})
         for o in self.observers:
             o.on_event(kind, step, details)
+        if kind in INCIDENTS:
+            self.counts[kind] += 1
+            self.metrics(step, {"incident": kind, f"incidents/{kind}": self.counts[kind], f"marker/{kind}": step})
+
+    def backfill(self, run, held: int) -> int:
+        """Log to a W&B run the rows of metrics.jsonl it does not hold (rows `held` on); returns how many."""
+        rows = read_jsonl(self.dir / "metrics.jsonl")
+        for i in range(held, len(rows)):
+            run.log(tracked(rows[i]), step=i)
+        return max(0, len(rows) - held)
+
+
+def _seal(path: Path) -> None:
+    """End a torn last line (a process killed mid-write), so the next record starts a line of its own."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+class _DropKnownNoise(logging.Filter):
+    """Library warnings that say nothing to our users: tied embeddings are stored once at every save, by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in str(record.msg)
+
+
+def quiet_known_noise() -> None:
+    logging.getLogger("accelerate.utils.other").addFilter(_DropKnownNoise())
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -1,14 +1,11 @@
-"""The training loop, composed of small parts: the step (engine.py), the run state (state.py), meters, checkpoints,
-spike recovery, evaluation and the live health check. The same loop runs on one CPU process and on many nodes.
-
-`steps()` reads as the loop it is: enter the stage a step belongs to, take one step, and either re-read the state a
-rollback restored or do the periodic work (log, evaluate, checkpoint, preemption).
-"""
+"""The training loop, composed of small stateful parts; the same loop on one CPU process and on many nodes.
+`steps()`: enter the step's stage, take one step, then re-read what a rollback restored or do the periodic work."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +14,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointManager, Restored
+from .console import end_block, start_block
 from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources
 from .engine import StepRunner, configure_deepspeed, make_accelerator, param_groups
 from .errors import PretrainerError
@@ -26,16 +24,17 @@ from .faults import StepFaults, kill_point
 from .gns import NoiseScale
 from .health import HealthMonitor
 from .lint import lint
-from .meters import LossStats, StepWindow
-from .model import StageRope, build_config, build_model, count_params
+from .meters import LossStats, StepWindow, mfu, peak_tflops, train_record
+from .model import StageRope, build_config, build_model, count_params, flops_per_token, non_embedding_params
 from .preemption import Preempted, PreemptFlag
 from .recipe import dump_recipe, flatten, recipe_dict, recipe_hash
-from .recovery import SpikeHandler, merge_run_ledger
+from .recovery import SpikeHandler, resume_run
 from .rundir import prepare_run_dir
 from .schedules import LRController, lr_lambda
 from .sections import Recipe
 from .state import RunState
-from .tracking import RunLog, alert
+from .tracking import RunLog, alert, quiet_known_noise
+from .wandb_history import init_trackers
 
 
 class Trainer:
@@ -55,6 +54,7 @@ class Trainer:
         if acc.num_processes != world:
             raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
+        quiet_known_noise()
         if acc.is_main_process:
             dump_recipe(recipe, self.output_dir / "recipe.resolved.yaml")
             for f in lint(recipe):
@@ -71,7 +71,8 @@ class Trainer:
         self.config = build_config(recipe.model, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                                    pad_token_id=tok.pad_token_id)  # fmt: skip
         model = build_model(recipe.model, self.config)
-        self.n_params = count_params(model)
+        self.n_params, self.n_non_emb = count_params(model), non_embedding_params(model)
+        self.peak = peak_tflops(recipe.logging.peak_tflops)
         opt = recipe.optimizer
         # Fused AdamW (one kernel for all parameters) exists for CUDA and CPU; it is what the HF Trainer uses too.
         self.fused = opt.fused if opt.fused is not None else True
@@ -146,6 +147,8 @@ class Trainer:
         self.save_final()
         self.log.event("run_end", self.state.step, tokens=self.state.tokens)
         self.accelerator.end_training()
+        if self.health is not None:
+            print(end_block(self.output_dir, self.health.val, self.log.counts, self.recipe.logging.report_to))
         return self.last
 
     def steps(self):
@@ -165,10 +168,13 @@ class Trainer:
 
     def _start(self) -> None:
         acc, recipe = self.accelerator, self.recipe
-        acc.init_trackers(recipe.logging.project, config=flatten(recipe_dict(recipe)),
-                          init_kwargs={"wandb": {"name": recipe.run.name, "dir": str(self.output_dir)}})  # fmt: skip
         self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends in a checkpoint
-        restored = self._resume()
+        init_trackers(acc, recipe, self.output_dir, self.log, config=flatten(recipe_dict(recipe)))
+        restored = resume_run(self.ckpt, self.spikes, self.state, self.log, self.output_dir, self.resume_spec,
+                              self.allow_recipe_change, acc.is_main_process)  # fmt: skip
+        if acc.is_main_process:
+            print(start_block(recipe, self.n_params, acc.num_processes, recipe.logging.report_to, self.output_dir,
+                              str(restored.path) if restored else None), flush=True)  # fmt: skip
         if restored is None:
             self.log.event("run_start", 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes)
             if findings := lint(recipe):
@@ -184,20 +190,6 @@ class Trainer:
         if self.spikes and restored is None:
             self.spikes.start_grace(recipe.schedule.warmup_steps)
         self.ckpt.mark_clock()
-
-    def _resume(self) -> Restored | None:
-        """Restore from `--resume` (`none`, `auto` or a path), then merge the run directory's skip ledger."""
-        redirect = self.spikes.resume_target if self.spikes else None
-        restored = self.ckpt.resume(self.resume_spec, self.allow_recipe_change, redirect)
-        if restored is None:
-            return None
-        merge_run_ledger(self.output_dir, self.state, self.spikes)
-        st = self.state
-        self.log.event("resume", st.step, path=str(restored.path), tokens=st.tokens, stage=restored.meta["stage"],
-                       cursor=st.cursor, skips=st.skips)  # fmt: skip
-        if self.accelerator.is_main_process:
-            print(f"resume: from {restored.path} at step {st.step}", flush=True)
-        return restored
 
     def _enter_stage(self) -> None:
         """At a stage boundary (or after a resume or rollback): pick the stage, its batches and its RoPE."""
@@ -225,9 +217,10 @@ class Trainer:
         """One optimizer step and the spike handler's verdict on it; returns what a rollback restored, if any."""
         st, span, acc = self.state, self.span, self.accelerator
         self.lr = self.scheduler.get_last_lr()[0]
-        cursor = st.cursor
+        cursor, t0 = st.cursor, time.perf_counter()
         batches, st.cursor, _ = self.batcher.step_batches(cursor, acc.process_index, acc.num_processes,
                                                           st.skips_for(span.index))  # fmt: skip
+        self.window.data_s += time.perf_counter() - t0  # host time building the step's batches: the data wait
         gns_now = self.gns is not None and (st.step + 1) % self.recipe.logging.every_steps == 0
         self.result = self.runner(batches, st.step + 1, measure_gns=gns_now)
         self.tokens_before = st.tokens
@@ -269,16 +262,20 @@ class Trainer:
             raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
 
     def _log_train(self) -> dict:
-        """One metrics line: the window's mean loss plus every step's loss (one host sync for all of them)."""
-        acc, st, span, grad_norm = self.accelerator, self.state, self.span, self.result.grad_norm
-        steps, losses = self.window.flush(acc)
+        """One metrics line (one host sync for all of the window's losses): loss, LR, grad norm, throughput, MFU,
+        memory, data wait, checkpoint blocking."""
+        st, span, grad_norm = self.state, self.span, self.result.grad_norm
+        steps, losses = self.window.flush(self.accelerator)
         self.loss_stats.extend(losses)
-        record = {
-            "tokens": st.tokens, "stage": span.name, "loss": sum(losses) / len(losses), "lr": self.lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "tokens_per_s": self.window.tokens_per_s(), "step_losses": [[s, v] for s, v in zip(steps, losses)],
+        record = train_record(
+            steps, losses, self.window, tokens=st.tokens, stage=span.name, lr=self.lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             **{f"data/repeats/{n}": c for n, c in self.batcher.repeats.items()},
-        }  # fmt: skip
+            **({"ckpt/blocked_s": self.ckpt.take_blocked()} if self.ckpt.blocked_s else {}),
+        )  # fmt: skip
+        if self.peak is not None:  # model FLOPs per device-second over the device's peak
+            fpt = flops_per_token(self.config, self.n_non_emb, span.seq_len)
+            record["mfu"] = mfu(record["tokens_per_s"], fpt, self.accelerator.num_processes, self.peak)
         if self.gns is not None and (value := self.runner.noise_scale(self.gns, span, grad_norm)) is not None:
             record["gns/b_simple"] = value
         self.log.metrics(st.step, record)

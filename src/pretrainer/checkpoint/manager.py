@@ -66,6 +66,8 @@ class CheckpointManager:
         self.protected: set[str] = set()
         """Checkpoint names that pruning must keep (a rollback target while its episode is open)."""
         self.last_save = time.monotonic()
+        self.blocked_s = 0.0
+        """Seconds the loop was blocked by saves since `take_blocked()` was last called."""
         self._pool: dict = {}  # snapshot buffers, reused between background saves
         self._config: tuple[object, int, dict] | None = None
         self.async_ok = section.async_ and accelerator.distributed_type not in (
@@ -77,6 +79,10 @@ class CheckpointManager:
 
     def mark_clock(self) -> None:
         self.last_save = time.monotonic()
+
+    def take_blocked(self) -> float:
+        out, self.blocked_s = self.blocked_s, 0.0
+        return out
 
     def due(self, tokens_before: int, tokens_now: int, stage_end: bool, log_step: bool) -> str | None:
         """Why a save is due after a step, or None. Token and stage-end triggers every step; the clock only on
@@ -148,6 +154,7 @@ class CheckpointManager:
             if acc.is_main_process:
                 self.writer.submit(lambda: self._write(snap, tmp, final, meta, blocked, t0))
             self.mark_clock()
+            self.blocked_s += blocked
             return final
         try:
             acc.save_state(str(tmp), safe_serialization=True)
@@ -158,6 +165,7 @@ class CheckpointManager:
             self._finish_write(tmp, final, meta, None, t0)
         acc.wait_for_everyone()
         self.mark_clock()
+        self.blocked_s += time.perf_counter() - t0
         return final
 
     def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, blocked: float, t0: float) -> None:
