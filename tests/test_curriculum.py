@@ -48,8 +48,8 @@ def test_rollback_into_an_earlier_stage_restores_its_rope(tmp_path, cache_dir):
     t = Trainer(recipe, output_dir=tmp_path / "run")
     rotary = t.accelerator.unwrap_model(t.model).model.rotary_emb
     base = rotary.inv_freq.clone()
-    assert t.enter_stage(-1, 1)["rope_theta"] == 160000.0  # the long stage raised the base
+    assert t.rope.enter(-1, 1)["rope_theta"] == 160000.0  # the long stage raised the base
     assert not torch.equal(rotary.inv_freq, base)
-    assert t.enter_stage(1, 0)["rope_theta"] == 10000.0  # rolled back into main: the recipe's own RoPE again
+    assert t.rope.enter(1, 0)["rope_theta"] == 10000.0  # rolled back into main: the recipe's own RoPE again
     assert torch.equal(rotary.inv_freq, base)
-    assert t.enter_stage(0, 2)["rope_theta"] == 160000.0  # and forward again through long into anneal
+    assert t.rope.enter(0, 2)["rope_theta"] == 160000.0  # and forward again through long into anneal

@@ -69,3 +69,39 @@ def test_zero3_save_kill_resume_export(tmp_path, cache_dir):
     final = AutoModelForCausalLM.from_pretrained(out / "final")
     for k, v in final.state_dict().items():
         assert torch.allclose(model.state_dict()[k], v), k
+
+
+@pytest.mark.distributed
+def test_crafted_deepspeed_checkpoint_never_runs_code(tmp_path, cache_dir):
+    """A ZeRO shard replaced by a pickle that runs a command, with a manifest that matches it: --resume and export
+    refuse it (exit 2, one line) and the command never runs."""
+    import pickle
+
+    from pretrainer import checkpoint as ck
+
+    out = tmp_path / "z3"
+    short = ["--set", "stages.0.steps=8", "--set", "eval.every_steps=0", "--set", "checkpoint.every_tokens=8192"]
+    assert launch("zero3.yaml", out, cache_dir, *short).returncode == 0
+    last = ck.list_checkpoints(out / "checkpoints")[-1].path
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    shard = next(last.glob("pytorch_model/*optim_states.pt"))
+    shard.write_bytes(pickle.dumps({"optimizer_state_dict": Payload()}))
+    (last / ck.MANIFEST).unlink()
+    ck.write_manifest(last)  # a consistent manifest: only the loader can refuse it
+    assert ck.verify(last, deep=False) == []
+    proc = launch("zero3.yaml", out, cache_dir, *short, "--resume", str(last), "--allow-recipe-change")
+    # each rank exits 2 with one line; the launcher (torch elastic) reports any failed rank as exit 1
+    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    assert "refused to unpickle code" in proc.stderr
+    assert not marker.exists()
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    exp = subprocess.run([sys.executable, "scripts/export_checkpoint.py", str(last), str(tmp_path / "hf")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert exp.returncode == 2 and "cannot be read without unpickling" in exp.stderr, exp.stderr[-3000:]
+    assert "Traceback" not in exp.stderr
+    assert not marker.exists()

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import list_checkpoints
+from .lint import lint
+from .recipe import dump_recipe
+
+
+def announce(recipe, output_dir: Path) -> None:
+    """Write the resolved recipe into the run directory and warn about the linter's findings."""
+    dump_recipe(recipe, Path(output_dir) / "recipe.resolved.yaml")
+    for f in lint(recipe):
+        print(f"warning: {f}", file=sys.stderr)
 
 
 def start_block(recipe, n_params: int, world: int, trackers: list[str], output_dir: Path, resumed: str | None) -> str:

@@ -28,7 +28,7 @@ def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator
         # Without this every CPU rank would believe it is rank 0 of 1 (the default backend is nccl).
         kwargs.append(InitProcessGroupKwargs(backend="gloo"))
     try:
-        return Accelerator(
+        acc = Accelerator(
             mixed_precision=recipe.precision.mixed,
             gradient_accumulation_steps=grad_accum,
             log_with=tracker_setup(recipe.logging.report_to, output_dir) or None,
@@ -37,6 +37,10 @@ def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator
         )
     except (ValueError, ImportError) as e:
         raise PretrainerError(f"precision.mixed: {recipe.precision.mixed!r} is not usable here: {e}") from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != world:  # a CPU launch without a process group: every rank would think it is alone
+        raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
+    return acc
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

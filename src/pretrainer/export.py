@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .checkpoint import read_meta, verify
+from .checkpoint.safe_load import weights_only
 from .errors import PretrainerError
 
 
@@ -26,7 +27,8 @@ def checkpoint_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     if zero_dirs:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(zero_dirs[0]))
+        with weights_only(str(ckpt)):
+            return get_fp32_state_dict_from_zero_checkpoint(str(zero_dirs[0]))
     raise PretrainerError(f"{ckpt}: no model weights found (model*.safetensors or a DeepSpeed checkpoint)")
 
 

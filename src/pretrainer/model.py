@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .errors import RecipeError
 from .sections import ModelSection
@@ -28,7 +28,13 @@ def build_config(section: ModelSection, vocab_size: int | None = None, **token_i
     try:
         return AutoConfig.for_model(model_type, trust_remote_code=section.trust_remote_code, **cfg)
     except ValueError as e:
-        raise RecipeError(f"model.config.model_type: {e}") from None
+        if model_type not in CONFIG_MAPPING:
+            raise RecipeError(f"model.config.model_type: {e}") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise RecipeError(f"model.config: {first}") from None
+    except Exception as e:  # transformers validates fields with its own error types: all mean "this field"
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        raise RecipeError(f"model.config: {lines[-1] if lines else type(e).__name__}") from None
 
 
 def build_model(section: ModelSection, config: PretrainedConfig, meta: bool = False) -> PreTrainedModel:
@@ -143,3 +149,19 @@ class StageRope:
             if stage.rope is not None:
                 apply_stage_rope(self.model, stage.rope, stage.seq_len)
         return dict(self.model.config.rope_parameters or {})
+
+
+def check_model_config(section: ModelSection, vocab_size: int | None) -> None:
+    """Build the declared model on the meta device (no memory, no download): a wrongly typed `model.config` field
+    fails here, as one line, before any data or tokenizer work.
+
+    Raises:
+        RecipeError: naming `model.config` and what transformers said.
+    """
+    try:
+        build_model(section, build_config(section, vocab_size=vocab_size), meta=True)
+    except RecipeError:
+        raise
+    except Exception as e:  # whatever transformers or torch raise on a field's value, it is the recipe's field
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RecipeError(f"model.config: the model cannot be built from it: {type(e).__name__}: {first}") from None

@@ -21,25 +21,56 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import RecipeError
+from .model import check_model_config
 from .sections import Recipe
 
 CLI = "--set"
 
 
+MAX_DEPTH = 32
+"""Nesting deeper than this is not a recipe (and would exhaust the stack further on)."""
+MAX_VALUES = 100_000
+"""Values after YAML aliases are expanded; a few aliases can otherwise stand for billions of values."""
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+    return f"invalid YAML{where}: {getattr(e, 'problem', None) or str(e).splitlines()[0]}"
+
+
+def check_size(data: Any, where: str) -> None:
+    """Bounded depth and size, counted with aliases expanded, in time bounded by MAX_VALUES (never the expansion)."""
+    count, stack = 0, [(data, 0, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise RecipeError(f"{where}: more than {MAX_VALUES:,} values (YAML aliases expanded): not a recipe")
+        if depth > MAX_DEPTH:
+            raise RecipeError(f"{where}: {path.lstrip('.') or '(top level)'}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1, f"{path}.{k}") for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1, f"{path}.{i}") for i, v in enumerate(node))
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RecipeError(f"{path}: file not found") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise RecipeError(f"{path}: cannot read: {e.strerror}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
-        raise RecipeError(f"{path}: invalid YAML{where}: {problem}") from None
+        raise RecipeError(f"{path}: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: nested deeper than {MAX_DEPTH} levels") from None
+    check_size(data, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -64,9 +95,10 @@ def _merge(base: dict, over: dict, origin: str, prov: dict[tuple, str], prefix: 
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _merge(out[k], v, origin, prov, path)
         else:
-            # A replaced subtree forgets where its old leaves came from.
-            for p in [p for p in prov if p[: len(path)] == path]:
-                del prov[p]
+            # A replaced subtree forgets where its old leaves came from (linear in its size, not in the recipe's).
+            if k in out:
+                for p in _leaf_paths(out[k], path):
+                    prov.pop(p, None)
             out[k] = copy.deepcopy(v)
             for p in _leaf_paths(v, path):
                 prov[p] = origin
@@ -102,7 +134,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise RecipeError(f"{CLI} {item}: the value is not valid YAML: {e}") from None
+        raise RecipeError(f"{CLI} {item}: the value is {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise RecipeError(f"{CLI} {item}: nested deeper than {MAX_DEPTH} levels") from None
+    check_size(value, f"{CLI} {item}")
     return key.split("."), value
 
 
@@ -119,8 +154,9 @@ def _apply_override(data: dict, keys: list[str], value: Any, item: str, prov: di
             raise RecipeError(f"{CLI} {item}: {'.'.join(keys[:i])} is not a section")
         path = path + (k,)
         if last:
-            for p in [p for p in prov if p[: len(path)] == path]:
-                del prov[p]
+            if isinstance(node, list) or k in node:
+                for p in _leaf_paths(node[k], path):
+                    prov.pop(p, None)
             node[k] = value
             for p in _leaf_paths(value, path):
                 prov[p] = f"{CLI} {item}"
@@ -131,7 +167,7 @@ def _apply_override(data: dict, keys: list[str], value: Any, item: str, prov: di
 
 
 def _origin(prov: dict[tuple, str], loc: tuple, default: str) -> str:
-    """The file that set the deepest known prefix of `loc`."""
+    """The file that set the deepest known prefix of `loc` (only on errors: a scan is fine)."""
     for n in range(len(loc), 0, -1):
         hits = [o for p, o in prov.items() if p[:n] == loc[:n]]
         if hits:
@@ -201,9 +237,17 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         keys, value = parse_override(item)
         _apply_override(data, keys, value, item, prov)
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_format_errors(e, prov, str(path))) from None
+    try:  # the free-form model.config, as transformers reads it (meta device: no memory, no download)
+        check_model_config(recipe.model, recipe.tokenizer.train.vocab_size if recipe.tokenizer.train else None)
+    except RecipeError as e:
+        field = re.search(r"[Ff]ield '(\w+)'", str(e))
+        loc = ("model", "config", field.group(1)) if field else ("model", "config")
+        msg = str(e).removeprefix("model.config: ")
+        raise RecipeError(f"{_origin(prov, loc, str(path))}: {'.'.join(loc)}: {msg}") from None
+    return recipe
 
 
 def recipe_dict(recipe: Recipe) -> dict[str, Any]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -14,10 +13,9 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointManager, Restored
-from .console import end_block, start_block
+from .console import announce, end_block, start_block
 from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources
 from .engine import StepRunner, configure_deepspeed, make_accelerator, param_groups
-from .errors import PretrainerError
 from .evaluation import Evaluator, sample_losses
 from .export import save_final
 from .faults import StepFaults, kill_point
@@ -25,11 +23,18 @@ from .gns import NoiseScale
 from .health import HealthMonitor
 from .lint import lint
 from .meters import LossStats, StepWindow, mfu, peak_tflops, train_record
-from .model import StageRope, build_config, build_model, count_params, flops_per_token, non_embedding_params
+from .model import (
+    StageRope,
+    build_config,
+    build_model,
+    count_params,
+    flops_per_token,
+    non_embedding_params,  # fmt: skip
+)
 from .preemption import Preempted, PreemptFlag
-from .recipe import dump_recipe, flatten, recipe_dict, recipe_hash
+from .recipe import flatten, recipe_dict, recipe_hash
 from .recovery import SpikeHandler, resume_run
-from .rundir import prepare_run_dir
+from .rundir import RunDir
 from .schedules import LRController, lr_lambda
 from .sections import Recipe
 from .state import RunState
@@ -45,24 +50,26 @@ class Trainer:
         self.recipe, self.plan = recipe, recipe.plan
         self.output_dir = Path(output_dir or recipe.output_dir)
         self.resume_spec, self.allow_recipe_change = resume, allow_recipe_change
-        prepare_run_dir(self.output_dir, resume, overwrite)
+        self.rundir = RunDir(self.output_dir, resume, overwrite)
+        self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends the run with exit 75
+        with self.rundir.released_after(always=False):
+            self._setup()
+
+    def _setup(self) -> None:
+        recipe = self.recipe
         self.spans, self.total_steps = list(self.plan.spans), self.plan.total_steps
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.grad_accum = self.plan.grad_accum(world)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.grad_accum = self.plan.grad_accum(int(os.environ.get("WORLD_SIZE", "1")))
         self.accelerator = acc = make_accelerator(recipe, self.output_dir, self.grad_accum)
-        if acc.num_processes != world:
-            raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
-        self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
         quiet_known_noise()
-        if acc.is_main_process:
-            dump_recipe(recipe, self.output_dir / "recipe.resolved.yaml")
-            for f in lint(recipe):
-                print(f"warning: {f}", file=sys.stderr)
         with acc.main_process_first():
             self.tokenizer = get_tokenizer(recipe)
             self.sources = load_sources(recipe, self.tokenizer)
         self._build_model()
+        self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
+        acc.wait_for_everyone()
+        self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
+        if acc.is_main_process:
+            announce(recipe, self.output_dir)
         self._build_parts()
 
     def _build_model(self) -> None:
@@ -102,9 +109,13 @@ class Trainer:
         )  # fmt: skip
         self.spikes = None
         if recipe.spikes.enabled:
-            self.spikes = SpikeHandler(recipe.spikes, self.state, self.ckpt, self._sample_losses, self.log,
-                                       partial(alert, acc, recipe.logging.report_to),
-                                       self.output_dir, acc.is_main_process)  # fmt: skip
+
+            def losses(stage, cursor, skips):  # a past step's per-sample losses, for blame
+                return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips)
+
+            self.spikes = SpikeHandler(recipe.spikes, self.state, self.ckpt, losses, self.log,
+                                       partial(alert, acc, recipe.logging.report_to), self.output_dir,
+                                       acc.is_main_process)  # fmt: skip
             parts["spikes"] = self.spikes  # the manager holds `parts`: the handler is saved with the rest
         self.evaluate = Evaluator(acc, self.model, self.sources, used_sources(recipe), recipe.eval.max_batches)
         faults = StepFaults(recipe.debug.inject, self.log)
@@ -124,28 +135,16 @@ class Trainer:
             self._batchers[stage] = StageBatches(self.recipe, self.spans[stage], self.sources, self.config.vocab_size)
         return self._batchers[stage]
 
-    def _sample_losses(self, stage: int, cursor: int, skips: list[tuple[int, int]]):
-        return sample_losses(self.accelerator, self.model, self.batches_for(stage), cursor, skips)
-
-    def enter_stage(self, prev: int, index: int) -> dict:
-        """Apply the RoPE changes of stages prev+1..index to the live model; returns its rope_parameters."""
-        return self.rope.enter(prev, index)
-
     # ------------------------------------------------------------------ the run
 
     def train(self) -> dict[str, float]:
         """Train through every stage (resuming if asked), checkpointing and evaluating, then export `final/`.
-
-        Returns:
-            The last logged metrics.
-
-        Raises:
-            Preempted: SIGTERM/SIGINT arrived; a checkpoint was saved first.
-        """
-        for _ in self.steps():
-            pass
-        self.save_final()
-        self.log.event("run_end", self.state.step, tokens=self.state.tokens)
+        Returns the last logged metrics; raises Preempted (after a checkpoint) on SIGTERM/SIGINT."""
+        with self.rundir.released_after():
+            for _ in self.steps():
+                pass
+            self.save_final()
+            self.log.event("run_end", self.state.step, tokens=self.state.tokens)
         self.accelerator.end_training()
         if self.health is not None:
             print(end_block(self.output_dir, self.health.val, self.log.counts, self.recipe.logging.report_to))
@@ -168,7 +167,6 @@ class Trainer:
 
     def _start(self) -> None:
         acc, recipe = self.accelerator, self.recipe
-        self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends in a checkpoint
         init_trackers(acc, recipe, self.output_dir, self.log, config=flatten(recipe_dict(recipe)))
         restored = resume_run(self.ckpt, self.spikes, self.state, self.log, self.output_dir, self.resume_spec,
                               self.allow_recipe_change, acc.is_main_process)  # fmt: skip
@@ -186,6 +184,8 @@ class Trainer:
             first = self.spans[0]
             vals = self.evaluate(first.seq_len, first.micro_batch_size)
             self.log.metrics(0, {"tokens": 0, "stage": first.name, **vals})
+        if self.preempt.check(acc, log_step=True):  # stopped before training began: the last checkpoint stands
+            raise Preempted("preempted before the first step; nothing new to save; continue with --resume auto")
         self.window = StepWindow()
         if self.spikes and restored is None:
             self.spikes.start_grace(recipe.schedule.warmup_steps)
@@ -201,7 +201,7 @@ class Trainer:
         self.batcher = self.batches_for(span.index)
         if span.index != st.stage_index:
             st.stage_index, st.cursor = span.index, 0
-        rope = self.enter_stage(prev, span.index)
+        rope = self.rope.enter(prev, span.index)  # RoPE as trained, into final/config.json
         self.applied_stage = span.index
         if prev == span.index:  # back in the stage we were in (a rollback): nothing new starts
             return
@@ -291,6 +291,5 @@ class Trainer:
             self.log.event("health", st.step, verdict=verdict, reasons=reasons)
         self.window.reset_clock()  # eval time is not training throughput
 
-    def save_final(self) -> Path:
-        """`final/`: save_pretrained model + tokenizer, loadable by AutoModelForCausalLM."""
+    def save_final(self) -> Path:  # `final/`: save_pretrained model + tokenizer
         return save_final(self.accelerator, self.model, self.tokenizer, self.output_dir / "final")

@@ -8,6 +8,7 @@ from. All state is read from `meta.json`, never parsed out of directory names.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -88,30 +89,67 @@ def _finite_problems(directory: Path) -> list[str]:
     return problems
 
 
+WEIGHTS = ("model*.safetensors", "pytorch_model*/*model_states.pt", "pytorch_model_fsdp*/**/*", "model*.bin")
+"""What a loader needs at least one of: Accelerate's weights, DeepSpeed's or FSDP's shards."""
+
+
+def _json(path: Path, what: str) -> tuple[dict | None, str | None]:
+    """A JSON object from a file, or why not (missing, unreadable, not UTF-8, not JSON, not an object)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, f"no {what}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"{what}: unreadable ({type(e).__name__})"
+    return (data, None) if isinstance(data, dict) else (None, f"{what}: not a JSON object")
+
+
+def meta_problem(meta: dict) -> str | None:
+    for key in ("step", "tokens", "stage_index", "cursor"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0:
+            return f"meta.json: `{key}` missing or not a non-negative integer"
+    if not isinstance(meta.get("skips", []), list) or not isinstance(meta.get("recipe", {}), dict):
+        return "meta.json: `skips` or `recipe` has the wrong type"
+    return None
+
+
 def verify(directory: str | Path, deep: bool = True) -> list[str]:
-    """Problems with a checkpoint; empty means it can be resumed from.
+    """Problems with a checkpoint; empty means it can be resumed from. Never raises.
+
+    The manifest must list every file in the directory (a file it does not know was not there when it was written)
+    and at least one weights file; each listed file must exist with its size (and, deep, its sha256).
 
     Args:
         deep: also hash every file and check weights and optimizer state for NaN/inf.
     """
     d = Path(directory)
-    if not (d / MANIFEST).exists():
-        return ["no manifest (the save never finished)"]
-    if not (d / META).exists():
-        return ["no meta.json"]
+    manifest, why = _json(d / MANIFEST, "manifest (the save never finished)")
+    if why:
+        return [why]
+    meta, why = _json(d / META, "meta.json")
+    if why or (why := meta_problem(meta)):
+        return [why]
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and "size" in v for v in files.values()):
+        return ["manifest: `files` is not a map of file -> {size, sha256}"]
     try:
-        manifest = json.loads((d / MANIFEST).read_text())
-        json.loads((d / META).read_text())
-    except (json.JSONDecodeError, OSError) as e:
-        return [f"unreadable manifest or meta: {e}"]
-    problems = []
-    for rel, info in manifest["files"].items():
+        on_disk = {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name != MANIFEST}
+        weights = any(fnmatch.fnmatch(rel, pat) for rel in files for pat in WEIGHTS)
+    except OSError as e:
+        return [f"unreadable: {e.strerror or e}"]
+    problems = [f"{rel}: not in the manifest" for rel in sorted(on_disk - set(files))][:3]
+    if not weights:
+        problems.append("manifest: lists no model weights")
+    for rel, info in files.items():
         p = d / rel
-        if not p.exists():
+        try:
+            size = p.stat().st_size
+        except OSError:
             problems.append(f"{rel}: missing")
-        elif p.stat().st_size != info["size"]:
-            problems.append(f"{rel}: size {p.stat().st_size} != {info['size']} (truncated?)")
-        elif deep and _sha256(p) != info["sha256"]:
+            continue
+        if size != info["size"]:
+            problems.append(f"{rel}: size {size} != {info['size']} (truncated?)")
+        elif deep and _sha256(p) != info.get("sha256"):
             problems.append(f"{rel}: sha256 mismatch (corrupted)")
     if deep and not problems:
         problems += _finite_problems(d)
@@ -119,7 +157,10 @@ def verify(directory: str | Path, deep: bool = True) -> list[str]:
 
 
 def read_meta(directory: str | Path) -> dict:
-    return json.loads((Path(directory) / META).read_text())
+    meta, why = _json(Path(directory) / META, "meta.json")
+    if why or (why := meta_problem(meta)):
+        raise PretrainerError(f"{directory}: {why}")
+    return meta
 
 
 @dataclass
@@ -128,31 +169,46 @@ class Candidate:
     meta: dict
 
 
-def list_checkpoints(root: Path) -> list[Candidate]:
-    """Finished checkpoints (those with a manifest), oldest first by the step in their meta.json."""
-    out = []
-    if not root.exists():
-        return out
-    for d in root.iterdir():
-        if d.is_dir() and not d.name.startswith(TMP_PREFIX) and (d / MANIFEST).exists() and (d / META).exists():
-            try:
-                out.append(Candidate(d, read_meta(d)))
-            except (json.JSONDecodeError, OSError):
+def scan(root: Path) -> tuple[list[Candidate], list[tuple[Path, str]]]:
+    """Finished checkpoints (a manifest and a valid meta.json), oldest first by the step in their meta.json, and the
+    directories with a manifest whose meta.json is missing or broken, with the reason."""
+    out, broken = [], []
+    try:
+        dirs = [d for d in Path(root).iterdir() if d.is_dir() and not d.name.startswith(TMP_PREFIX)]
+    except OSError:  # no root yet, or unreadable
+        return out, broken
+    for d in dirs:
+        try:
+            if not (d / MANIFEST).exists():
                 continue
-    return sorted(out, key=lambda c: (c.meta["step"], c.meta.get("saved_at", 0)))
+        except OSError as e:
+            broken.append((d, f"unreadable: {e.strerror or e}"))
+            continue
+        meta, why = _json(d / META, "meta.json")
+        why = why or meta_problem(meta)
+        if why:
+            broken.append((d, why))
+        else:
+            out.append(Candidate(d, meta))
+    return sorted(out, key=lambda c: (c.meta["step"], c.meta.get("saved_at", 0))), sorted(broken)
+
+
+def list_checkpoints(root: Path) -> list[Candidate]:
+    return scan(root)[0]
 
 
 def newest_valid(
     root: Path, max_step: int | None = None, finite_losses: bool = False
 ) -> tuple[Candidate | None, list[tuple[Path, str]]]:
-    """The newest checkpoint that verifies, and the newer ones skipped for failing verification, with the reason.
+    """The newest checkpoint that verifies, and those skipped for failing verification (or for a broken meta.json),
+    with the reason.
 
     Args:
         max_step: consider only checkpoints saved at or before this step (a rollback target predates its spike).
         finite_losses: consider only checkpoints whose recorded recent losses were all finite.
     """
-    skipped = []
-    for c in reversed(list_checkpoints(root)):
+    cands, skipped = scan(root)
+    for c in reversed(cands):
         if max_step is not None and c.meta["step"] > max_step:
             continue
         if finite_losses and not c.meta.get("loss_stats", {}).get("finite", True):
@@ -170,9 +226,15 @@ def tokens_crossed(every_tokens: int | None, tokens_before: int, tokens_now: int
 
 
 def incomplete_dirs(root: Path) -> list[Path]:
-    if not root.exists():
+    """Saves that died before their manifest: never resumed from, safe to remove."""
+    try:
+        return [
+            d
+            for d in Path(root).iterdir()
+            if d.is_dir() and (d.name.startswith(TMP_PREFIX) or not (d / MANIFEST).exists())
+        ]
+    except OSError:
         return []
-    return [d for d in root.iterdir() if d.is_dir() and (d.name.startswith(TMP_PREFIX) or not (d / MANIFEST).exists())]
 
 
 def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | None, protected: set[str]) -> set[Path]:

@@ -9,6 +9,7 @@ part's name, and the resolved recipe with its hash.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from collections.abc import Callable
@@ -25,7 +26,15 @@ from ..recipe import training_diff
 from ..sections import CheckpointSection
 from ..state import RunState, Stateful
 from . import format as ck
+from .safe_load import weights_only
 from .writer import BackgroundWriter, Snapshot
+
+
+def _why(e: Exception) -> str:
+    """One line for a failed write; a full disk reads the same whichever library hit it."""
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
+        return "No space left on device"
+    return getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 @dataclass(frozen=True)
@@ -158,7 +167,7 @@ class CheckpointManager:
             return final
         try:
             acc.save_state(str(tmp), safe_serialization=True)
-        except OSError as e:
+        except Exception as e:  # torch and safetensors raise RuntimeError-like errors on a full disk, not OSError
             self._fail(tmp, name, e)
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -172,16 +181,16 @@ class CheckpointManager:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             snap.write(tmp, 0)
-        except OSError as e:
+        except Exception as e:
             self._fail(tmp, final.name, e)
         self._finish_write(tmp, final, meta, blocked, t0)
 
-    def _fail(self, tmp: Path, name: str, e: OSError):
+    def _fail(self, tmp: Path, name: str, e: Exception):
         if self.acc.is_main_process:
             ck.remove_dir(tmp)
         self.log.event("checkpoint_failed", self.state.step, name=name, error=str(e))
         raise ck.CheckpointError(
-            f"checkpoint {name} could not be written ({e.strerror or e}); earlier checkpoints in {self.root} are intact"
+            f"checkpoint {name} could not be written ({_why(e)}); earlier checkpoints in {self.root} are intact"
         ) from None
 
     def _finish_write(self, tmp: Path, final: Path, meta: dict, blocked: float | None, t0: float) -> None:
@@ -196,7 +205,7 @@ class CheckpointManager:
                 ck.remove_dir(final)
             tmp.rename(final)
             ck.fsync_dir(self.root)
-        except OSError as e:
+        except Exception as e:
             self._fail(tmp, final.name, e)
         self.log.event(
             "checkpoint", meta["step"], path=str(final), reason=meta["reason"], tokens=meta["tokens"],
@@ -301,7 +310,14 @@ class CheckpointManager:
     def restore(self, path: Path) -> Restored:
         """Load model/optimizer/RNG, the run state and every part from a checkpoint (resume and rollback)."""
         meta = ck.read_meta(path)
-        self.acc.load_state(str(path))
+        try:
+            with weights_only(str(path)):
+                self.acc.load_state(str(path))
+        except RuntimeError as e:  # a model of another shape: one line, not the state dict's traceback
+            lines = [x.strip() for x in str(e).splitlines() if "size mismatch" in x or "Missing key" in x]
+            raise PretrainerError(
+                f"--resume {path}: the checkpoint does not fit this recipe's model: {(lines or [str(e)[:200]])[0]}"
+            ) from None
         self.state.load_state_dict(meta)
         for name, part in self.parts.items():
             if meta.get(name) is not None:

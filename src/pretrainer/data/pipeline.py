@@ -34,7 +34,9 @@ def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
     if section.path is not None:
         return load_tokenizer(section, trust_remote_code=recipe.model.trust_remote_code)
     names = section.train.sources or used_sources(recipe)
-    keys = {n: source_key(n, recipe.data.sources[n]) for n in names}
+    keys = {
+        n: source_key(n, recipe.data.sources[n], validation_fraction=recipe.data.validation_fraction) for n in names
+    }
 
     def corpus():
         # Learn from training documents only: held-out documents stay unseen by everything.
@@ -61,7 +63,7 @@ class SourceData:
 
 def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
     """Where a source's token files live: keyed by the source's content and the tokenizer."""
-    key = source_key(name, recipe.data.sources[name])
+    key = source_key(name, recipe.data.sources[name], validation_fraction=recipe.data.validation_fraction)
     return Path(recipe.data.cache_dir) / "tokens" / f"{name}-{key}-{tokenizer_fingerprint(tokenizer)}"
 
 

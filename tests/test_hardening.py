@@ -1,0 +1,345 @@
+"""Careless or unlucky input, one test per class: each asserts the promise (exit code, one line naming the file or
+field, nothing already written lost, no code run from a checkpoint), plus a fuzz of malformed recipes."""
+
+import fcntl
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import run_recipe
+import torch
+import yaml
+from conftest import FIXTURES
+
+from pretrainer import checkpoint as ck
+from pretrainer.checkpoint.safe_load import UnsafeCheckpoint, weights_only
+from pretrainer.data.sources import source_key
+from pretrainer.errors import RecipeError
+from pretrainer.recipe import load_recipe
+from pretrainer.sections import SourceSection
+from pretrainer.tracking import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = (FIXTURES / "micro.yaml").read_text().replace("inherit: ../../", f"inherit: {ROOT}/")
+SHORT = ["--set", "stages.0.steps=8", "--set", "eval.every_steps=0", "--set", "checkpoint.every_tokens=4096"]
+
+
+def cli(out, cache_dir, *extra, recipe=FIXTURES / "micro.yaml"):
+    return [str(recipe), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}", *SHORT, *extra]
+
+
+def one_line_error(capsys) -> str:
+    err = [x[x.index("error:") :] for x in capsys.readouterr().err.replace("\r", "\n").splitlines() if "error:" in x]
+    assert len(err) == 1, err
+    return err[0]
+
+
+class Marker:
+    """A pickle that, if ever unpickled by the full unpickler, creates a file."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# ---------------------------------------------------------------------------- security
+
+
+def test_checkpoint_loads_never_execute_code(tmp_path):
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    bad.write_bytes(pickle.dumps({"optimizer_state_dict": Marker(marker)}))
+    with pytest.raises(UnsafeCheckpoint, match="refused to unpickle code"):
+        with weights_only("ckpt"):
+            torch.load(bad, weights_only=False)  # what DeepSpeed's loader asks for
+    assert not marker.exists()
+    # what DeepSpeed really stores loads fine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    good = tmp_path / "good.pt"
+    torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.weights, "t": torch.ones(2)}, good)
+    with weights_only("ckpt"):
+        state = torch.load(good, weights_only=False)
+    assert state["zero_stage"] == ZeroStageEnum.weights and torch.equal(state["t"], torch.ones(2))
+    assert torch.load is not None and torch.load.__name__ == "load"  # restored
+
+
+# ---------------------------------------------------------------------------- recipes
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["not_utf8", "deep", "alias_bomb", "typed_config", "bad_set_yaml"],
+)
+def test_bad_recipes_are_one_line_exit_2_before_any_work(case, tmp_path, capsys):
+    path = tmp_path / "r.yaml"
+    extra = []
+    if case == "not_utf8":
+        path.write_bytes(MICRO.encode() + b"\n# caf\xe9\n")
+        expect = f"{path}: not UTF-8"
+    elif case == "deep":
+        path.write_text(MICRO + "debug: " + "{a: " * 300 + "1" + "}" * 300 + "\n")
+        expect = "nested deeper than 32 levels"
+    elif case == "alias_bomb":
+        bomb = "\n".join(f"  l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 10))
+        path.write_text(
+            MICRO.replace(
+                "model:\n  config:\n", "model:\n  config:\n    l0: &l0 [x]\n" + bomb.replace("  l", "    l") + "\n"
+            )
+        )
+        expect = "values (YAML aliases expanded): not a recipe"
+    elif case == "typed_config":
+        path.write_text(MICRO.replace("hidden_size: 64", "hidden_size: sixty-four"))
+        expect = f"{path}: model.config.hidden_size: TypeError: Field 'hidden_size' expected int"
+    else:
+        path.write_text(MICRO)
+        extra = ["--set", "optimizer.betas=[0.9, 0.95"]
+        expect = "--set optimizer.betas=[0.9, 0.95: the value is invalid YAML"
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    t0 = time.perf_counter()
+    assert run_recipe.main([str(path), "--output-dir", str(out), "--set", f"data.cache_dir={cache}", *extra]) == 2
+    assert expect in one_line_error(capsys)
+    assert time.perf_counter() - t0 < 30 and not cache.exists()  # found before any tokenizer or data work
+
+
+def test_resume_into_another_model_shape_is_one_line(tmp_path, cache_dir, capsys):
+    out = tmp_path / "run"
+    assert run_recipe.main(cli(out, cache_dir)) == 0
+    capsys.readouterr()
+    last = ck.list_checkpoints(out / "checkpoints")[-1].path
+    rc = run_recipe.main(cli(out, cache_dir, "--resume", str(last), "--set", "model.config.intermediate_size=96",
+                             "--allow-recipe-change"))  # fmt: skip
+    assert rc == 2
+    assert "does not fit this recipe's model: size mismatch" in one_line_error(capsys)
+
+
+def test_recipe_loading_is_linear_in_its_keys(tmp_path):
+    times = {}
+    for n in (2_000, 8_000, 32_000):
+        keys = "".join(f"    k{i}: {i}\n" for i in range(n))
+        base = tmp_path / f"base{n}.yaml"
+        base.write_text(MICRO.replace("tie_word_embeddings: true\n", "tie_word_embeddings: true\n" + keys))
+        child = tmp_path / f"child{n}.yaml"
+        child.write_text(f"inherit: {base.name}\nmodel:\n  config:\n" + keys.replace(": ", ": -"))
+        t0 = time.perf_counter()
+        r = load_recipe(child, [f"model.config.k{n - 1}=7"])
+        times[n] = time.perf_counter() - t0
+        assert r.model.config[f"k{n - 1}"] == 7 and r.model.config["k0"] == 0
+    assert times[32_000] < 16 * times[2_000] + 1.0, times  # 16x the keys: ~16x the time, not 256x
+
+
+# ---------------------------------------------------------------------------- data and cache
+
+
+def test_cache_key_follows_content_and_split(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "aaaa"}\n')
+    src = SourceSection(type="files", include=[str(f)])
+    before = source_key("d", src, validation_fraction=0.02)
+    st = f.stat()
+    f.write_text('{"text": "bbbb"}\n')  # same size
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the mtime restored, as cp -p / rsync -a do
+    assert source_key("d", src, validation_fraction=0.02) != before
+    assert source_key("d", src, validation_fraction=0.05) != source_key("d", src, validation_fraction=0.02)
+
+
+def test_numbers_in_the_text_field_are_one_line(tmp_path, capsys):
+    data = tmp_path / "nums.jsonl"
+    data.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(50)))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(MICRO.replace('type: python_stdlib\n      include: ["json/*.py", "email/*.py", "collections/*.py", '
+                                    '"importlib/*.py"]', f'type: files\n      include: ["{data}"]'))  # fmt: skip
+    assert "type: files" in recipe.read_text()
+    assert run_recipe.main([str(recipe), "--output-dir", str(tmp_path / "o"), "--set",
+                            f"data.cache_dir={tmp_path / 'c'}"]) == 2  # fmt: skip
+    assert "data.sources.stdlib.text_field: 'text' holds int values, not text" in one_line_error(capsys)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("saved") / "run"
+    assert run_recipe.main(cli(out, cache_dir)) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage_manifest", "empty_manifest", "list_manifest", "latin1_meta", "meta_no_step", "meta_str_step",
+     "manifest_lists_nothing", "no_meta"],
+)  # fmt: skip
+def test_damaged_checkpoints_are_skipped_with_a_reason(damage, saved, tmp_path, cache_dir, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    cands = ck.list_checkpoints(out / "checkpoints")
+    newest = cands[-1].path
+    m, meta = newest / ck.MANIFEST, newest / ck.META
+    if damage == "garbage_manifest":
+        m.write_bytes(b"\x00\xffnot json")
+    elif damage == "empty_manifest":
+        m.write_text("{}")
+    elif damage == "list_manifest":
+        m.write_text("[]")
+    elif damage == "latin1_meta":
+        meta.write_bytes(b'{"step": "\xe9"}')
+    elif damage == "meta_no_step":
+        meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "step"}))
+    elif damage == "meta_str_step":
+        meta.write_text(json.dumps({**json.loads(meta.read_text()), "step": "8"}))
+    elif damage == "manifest_lists_nothing":
+        m.write_text(json.dumps({"files": {}}))
+    else:
+        meta.unlink()
+    problems = ck.verify(newest)
+    assert problems and all(isinstance(p, str) for p in problems)
+    good, skipped = ck.newest_valid(out / "checkpoints")
+    assert good.path == cands[-2].path and newest in [p for p, _ in skipped]
+    assert run_recipe.main(cli(out, cache_dir, "--resume", "auto")) == 0
+    printed = capsys.readouterr().out
+    assert f"skipping {newest}" in printed and f"from {cands[-2].path}" in printed
+
+
+def test_disk_full_from_a_library_error_is_exit_74(tmp_path, cache_dir, monkeypatch, capsys):
+    from accelerate import Accelerator
+
+    real, calls = Accelerator.save_state, {"n": 0}
+
+    def failing(self, output_dir=None, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            Path(output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(output_dir) / "model.safetensors").write_bytes(b"partial")
+            raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+        return real(self, output_dir, **kw)
+
+    monkeypatch.setattr(Accelerator, "save_state", failing)
+    out = tmp_path / "run"
+    assert run_recipe.main(cli(out, cache_dir)) == 74
+    line = one_line_error(capsys)
+    assert "checkpoint step_00000008 could not be written (PytorchStreamWriter failed" in line
+    assert [c.meta["step"] for c in ck.list_checkpoints(out / "checkpoints")] == [4]
+    assert not list((out / "checkpoints").glob(f"{ck.TMP_PREFIX}*"))
+
+
+# ---------------------------------------------------------------------------- run directory and signals
+
+
+def test_overwrite_with_a_bad_source_keeps_the_old_run(saved, tmp_path, cache_dir, capsys):
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    rc = run_recipe.main(cli(out, cache_dir, "--overwrite", "--set", "data.sources.stdlib.include=[nothing/*.py]"))
+    assert rc == 2 and "data.sources.stdlib" in one_line_error(capsys)
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != ".lock") == [
+        b for b in before if b != ".lock"
+    ]
+
+
+def test_a_second_run_in_the_same_directory_is_refused(tmp_path, cache_dir, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, b"4242\n")
+    try:
+        assert run_recipe.main(cli(out, cache_dir)) == 2
+        assert "in use by another run (pid 4242)" in one_line_error(capsys)
+    finally:
+        os.close(fd)
+    assert run_recipe.main(cli(out, cache_dir)) == 0  # released: the lock of a dead run is never stale
+
+
+def test_sigterm_before_the_loop_exits_75(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "scripts/run_recipe.py", *cli(out, cache_dir, "--set", "eval.every_steps=5",
+                                                          "--set", "eval.max_batches=400")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(e["event"] == "run_start" for e in read_jsonl(out / "events.jsonl")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # during the baseline evaluation
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    assert "preempted" in err
+
+
+# ---------------------------------------------------------------------------- fuzz
+
+
+def _mutate(rng: random.Random, data):
+    """One random structural, type, size or encoding mutation of a recipe tree."""
+    paths, stack = [], [((), data)]
+    while stack:
+        p, node = stack.pop()
+        paths.append(p)
+        if isinstance(node, dict):
+            stack += [(p + (k,), v) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(p + (i,), v) for i, v in enumerate(node)]
+    path = rng.choice(paths[1:])
+    parent = data
+    for k in path[:-1]:
+        parent = parent[k]
+    choices = [None, -1, 0, 10**30, 1e308, "x" * rng.choice([1, 10_000]), [], {}, [1, [2, [3]]], True, "ünï",
+               {"nested": {"deep": [None] * 3}}, float("nan"), "1e-3", [{"a": 1}] * 5]  # fmt: skip
+    if rng.random() < 0.2 and isinstance(parent, dict):
+        del parent[path[-1]]
+    elif rng.random() < 0.1 and isinstance(parent, dict):
+        parent[f"typo_{path[-1]}"] = parent.pop(path[-1])
+    else:
+        parent[path[-1]] = rng.choice(choices)
+    return data
+
+
+def test_fuzz_1000_malformed_recipes_no_tracebacks(tmp_path):
+    rng = random.Random(0)
+    base = yaml.safe_load(MICRO)
+    base.pop("inherit")
+    outcomes = {"error": 0, "ok": 0}
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    for i in range(1000):
+        data = json.loads(json.dumps(base))
+        for _ in range(rng.randint(1, 3)):
+            data = _mutate(rng, data)
+        text = yaml.safe_dump(data, allow_unicode=True)
+        if i % 10 == 0:  # some broken at the byte level
+            raw = bytearray(text.encode())
+            for _ in range(rng.randint(1, 5)):
+                raw[rng.randrange(len(raw))] = rng.randrange(256)
+            path = tmp_path / f"r{i}.yaml"
+            path.write_bytes(bytes(raw))
+        else:
+            path = tmp_path / f"r{i}.yaml"
+            path.write_text(f"inherit: {ROOT / 'recipes/_base/pretrain.yaml'}\n" + text)
+        start = time.perf_counter()
+        try:
+            load_recipe(path)
+            outcomes["ok"] += 1
+        except RecipeError as e:
+            first = str(e).splitlines()[0]
+            assert first.startswith((str(path), str(ROOT / "recipes"))), first  # the file that set the field
+            outcomes["error"] += 1
+        assert time.perf_counter() - start < 2.0, f"recipe {i} took too long"
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert outcomes["error"] > 500 and peak < 200 * 2**20, (outcomes, peak)
+    assert time.perf_counter() - t0 < 120
