@@ -1,4 +1,4 @@
-"""Resolve a recipe without training: parameters, stages, LR at given steps.
+"""Resolve a recipe without training: parameters, stages, LR at given steps, tokens drawn vs. prepared per source.
 
 python scripts/inspect_recipe.py recipes/1b_wsd.yaml --lr-at 500,1000,26000
 python scripts/inspect_recipe.py recipes/1b_wsd.yaml --json
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
+        from pretrainer.data.pipeline import prepared_tokens
         from pretrainer.errors import PretrainerError
         from pretrainer.recipe import load_recipe
         from pretrainer.summary import estimate_wall_time, format_summary, summarize
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
         except ValueError:
             raise PretrainerError(f"--lr-at: expected comma-separated integers, got {args.lr_at!r}") from None
         recipe = load_recipe(args.recipe, args.overrides)
-        info = summarize(recipe, steps)
+        info = summarize(recipe, steps, available=prepared_tokens(recipe))
         if args.gpus:
             info["wall_time"] = estimate_wall_time(info["total_flops"], args.gpus, args.mfu, args.peak_tflops)
         if args.plot:

@@ -1,9 +1,11 @@
-"""Tokenize every source of a recipe once into memory-mapped token files (resumable, idempotent, parallel).
+"""Tokenize every source of a recipe into token files, on datatrove's executors (resumable, idempotent).
 
     python scripts/prepare_data.py recipes/tiny.yaml --workers 2
+    python scripts/prepare_data.py recipes/1b_wsd.yaml --executor slurm --tasks 256 --slurm partition=cpu
 
-The trainer then memory-maps these files instead of tokenizing at start-up. Re-running skips finished sources
-and, for an interrupted source, finished shards.
+Each source is one datatrove pipeline (reader -> tokenizer -> one pair of train/val token files per input file).
+Re-running skips finished sources and, in an interrupted source, finished input files. With `--executor slurm` the
+jobs are submitted and the command returns; run it again once they finish, and it writes the manifests.
 """
 
 from __future__ import annotations
@@ -17,9 +19,25 @@ from pretrainer.cli import run_main, script_parser
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = script_parser(__doc__)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
-    p.add_argument("--shard-docs", type=int, default=2000, help="documents per shard (the unit of resumption)")
+    p.add_argument("--executor", choices=["local", "slurm", "inline"], default="local",
+                   help="datatrove executor: local processes (default), Slurm jobs, or this process")  # fmt: skip
+    p.add_argument("--tasks", type=int, help="datatrove tasks per source (default: one per input file)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tasks run at once (local executor)")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                   help="a SlurmPipelineExecutor setting, e.g. partition=cpu, time=12:00:00, cpus_per_task=4")  # fmt: skip
     return p.parse_args(argv)
+
+
+def _slurm_settings(pairs: list[str]) -> dict:
+    from pretrainer.errors import PretrainerError
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise PretrainerError(f"--slurm: expected KEY=VALUE, got {pair!r}")
+        out[key] = int(value) if value.isdigit() else value
+    return out
 
 
 def main(argv=None) -> int:
@@ -27,22 +45,26 @@ def main(argv=None) -> int:
 
     def run() -> int:
         from pretrainer.data.pipeline import get_tokenizer, source_dir, used_sources
-        from pretrainer.data.shards import prepare_source
-        from pretrainer.data.sources import iter_documents
+        from pretrainer.data.prepare import prepare_source
         from pretrainer.recipe import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
+        slurm = _slurm_settings(args.slurm)
         tokenizer = get_tokenizer(recipe)
+        pending = 0
         for name in used_sources(recipe):
             out = source_dir(recipe, name, tokenizer)
-            if (out / "manifest.json").exists():
-                print(f"{name}: already prepared in {out}")
+            src = recipe.data.sources[name]
+            m = prepare_source(name, src, tokenizer, out, recipe.data.validation_fraction, args.executor,
+                               args.tasks, args.workers, slurm)  # fmt: skip
+            if m is None:
+                pending += 1
+                print(json.dumps({"source": name, "dir": str(out), "status": "submitted"}))
                 continue
-            docs = iter_documents(name, recipe.data.sources[name])
-            m = prepare_source(
-                name, docs, tokenizer, out, recipe.data.validation_fraction, args.workers, args.shard_docs, True
-            )
-            print(json.dumps({"source": name, "dir": str(out), **m}))
+            keys = ("files", "docs", "tokens", "train_tokens", "val_tokens", "seconds")
+            print(json.dumps({"source": name, "dir": str(out), **{k: m[k] for k in keys}}))
+        if pending:
+            print(f"{pending} source(s) still running on Slurm: run this command again once the jobs finish")
         return 0
 
     return run_main(run, debug=args.debug)

@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 from conftest import write
 
-from pretrainer.data.sources import read_documents, resolve_files
-from pretrainer.data.tokens import split, token_dtype, tokenize, validation_mask
+from pretrainer.data.readers import read_documents
+from pretrainer.data.sources import resolve_files
+from pretrainer.data.tokens import token_dtype, tokenize
 from pretrainer.errors import DataError
 from pretrainer.sections import SourceSection
 from pretrainer.tokenizer import train_bpe
@@ -34,7 +35,7 @@ def test_missing_and_empty_sources(tmp_path):
         read_documents("e", SourceSection(type="files", include=[str(tmp_path / "empty.txt")]))
 
 
-def test_tokenize_eos_between_documents_and_split():
+def test_tokenize_eos_between_documents():
     docs = [f"def f{i}(x):\n    return x + {i}\n" for i in range(40)]
     tok = train_bpe(docs, vocab_size=300)
     arr = tokenize(docs, tok)
@@ -43,7 +44,4 @@ def test_tokenize_eos_between_documents_and_split():
     ends = arr.doc_offsets[1:] - 1
     assert (arr.tokens[ends] == tok.eos_token_id).all()
     assert tok.decode(arr.tokens[arr.doc_offsets[3] : arr.doc_offsets[4] - 1].tolist()) == docs[3]
-    train, val = split(arr, 0.1)
-    assert train.n_docs + val.n_docs == 40 and val.n_docs == 4
-    assert validation_mask(40, 0.1).sum() == 4
     assert token_dtype(70_000) == np.uint32

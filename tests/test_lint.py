@@ -63,3 +63,35 @@ def test_inspect_strict_and_plot(tmp_path, capsys):
     assert info["wall_time"]["seconds"] == pytest.approx(info["total_flops"] / (8 * 0.4 * 989e12))
     assert all(s["flops_per_token"] > 0 for s in info["stages"])
     assert info["findings"] == []  # the test fixtures are lint-clean too
+
+
+def test_repetition_finding_reads_the_prepared_manifests(cache_dir, capsys):
+    from pretrainer.data.pipeline import get_tokenizer, load_sources, prepared_tokens
+
+    tiny = load_recipe(TINY, [f"data.cache_dir={cache_dir}"])
+    assert prepared_tokens(tiny) == {} or set(prepared_tokens(tiny)) <= {"modules", "packages", "curated"}
+    sources = load_sources(tiny, get_tokenizer(tiny))  # prepares the tiny recipe's sources (shared session cache)
+    available = prepared_tokens(tiny)
+    assert available == {n: len(s.train.tokens) for n, s in sources.items()}
+    assert lint(tiny, available) == []  # the shipped recipe draws less than one pass of every source
+    # a longer anneal draws the curated source more than once over
+    longer = load_recipe(TINY, [f"data.cache_dir={cache_dir}", "stages.2.steps=200"])
+    found = [f for f in lint(longer, prepared_tokens(longer)) if f.id == "PT014"]
+    want = 200 * 8192 * 0.4 / available["curated"]
+    # curated: the anneal alone exceeds it; modules and packages: only the three stages together do
+    assert [f.field for f in found] == ["stages.2.mixture.curated", "data.sources.modules", "data.sources.packages"]
+    assert f"{want:.1f}x its {available['curated']:,} prepared" in found[0].message
+    run_modules = sum(s.tokens * w for s, w in zip(longer.plan.spans, (0.6, 0.5, 0.3)))
+    assert f"{run_modules / available['modules']:.1f}x" in found[1].message
+    assert lint(longer) == [] or "PT014" not in ids(longer)  # unknown sizes are not judged
+    # inspect_recipe shows drawn vs. available per stage and source, and the finding
+    assert (
+        inspect_recipe.main([TINY, "--json", "--set", f"data.cache_dir={cache_dir}", "--set", "stages.2.steps=200"])
+        == 0
+    )
+    info = json.loads(capsys.readouterr().out)
+    anneal = info["stages"][2]["sources"]
+    assert anneal["curated"] == {"drawn": round(200 * 8192 * 0.4), "available": available["curated"]}
+    assert [f["id"] for f in info["findings"]] == ["PT014"] * 3
+    assert inspect_recipe.main([TINY, "--set", "data.cache_dir=/nonexistent/cache"]) == 0
+    assert "unknown" in capsys.readouterr().out

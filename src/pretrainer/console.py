@@ -12,10 +12,11 @@ from .lint import lint
 from .recipe import dump_recipe
 
 
-def announce(recipe, output_dir: Path) -> None:
-    """Write the resolved recipe into the run directory and warn about the linter's findings."""
+def announce(recipe, output_dir: Path, available: dict[str, int]) -> None:
+    """Write the resolved recipe into the run directory and warn about the linter's findings (`available`: training
+    tokens per source, for the repetition check)."""
     dump_recipe(recipe, Path(output_dir) / "recipe.resolved.yaml")
-    for f in lint(recipe):
+    for f in lint(recipe, available):
         print(f"warning: {f}", file=sys.stderr)
 
 

@@ -177,6 +177,56 @@ def _operations_rules(recipe: Recipe) -> list[Finding]:
     return out
 
 
-def lint(recipe: Recipe) -> list[Finding]:
-    """All findings for a recipe; an empty list is a clean bill."""
-    return [f for rules in (_schedule_rules, _context_rules, _decay_rules, _operations_rules) for f in rules(recipe)]
+def drawn_tokens(recipe: Recipe) -> list[dict[str, int]]:
+    """Per stage, the training tokens each source contributes (the stage's tokens split by its mixture weights)."""
+    out = []
+    for st, span in zip(recipe.stages, recipe.plan.spans):
+        total = sum(w for w in st.mixture.values() if w > 0)
+        out.append({n: round(span.tokens * w / total) for n, w in st.mixture.items() if w > 0})
+    return out
+
+
+def _repetition_rules(recipe: Recipe, available: dict[str, int]) -> list[Finding]:
+    """A source drawn more than once over: repeated tokens are worth less than fresh ones and invite memorisation.
+
+    Each stage samples its mixture afresh, so a stage that alone exceeds a source repeats it within the stage; the
+    run as a whole can also repeat a source that no single stage exhausts.
+    """
+    out: list[Finding] = []
+    drawn = drawn_tokens(recipe)
+    run_total: dict[str, int] = {}
+    flagged: set[str] = set()
+    fix = "use a larger dataset (or another source) for it, lower its weight, or train the stage on fewer tokens."
+    for i, (st, per_source) in enumerate(zip(recipe.stages, drawn)):
+        for name, d in per_source.items():
+            run_total[name] = run_total.get(name, 0) + d
+            have = available.get(name)
+            if have and d > have:
+                flagged.add(name)
+                out.append(Finding(
+                    "PT014", f"stages.{i}.mixture.{name}",
+                    f"stage {st.name!r} draws {d:,} tokens from {name!r}, {d / have:.1f}x its {have:,} prepared "
+                    "training tokens: every document is seen that many times.",
+                    fix,
+                ))  # fmt: skip
+    for name, d in run_total.items():
+        have = available.get(name)
+        if have and d > have and name not in flagged:
+            out.append(Finding(
+                "PT014", f"data.sources.{name}",
+                f"the stages together draw {d:,} tokens from {name!r}, {d / have:.1f}x its {have:,} prepared "
+                "training tokens.",
+                fix,
+            ))  # fmt: skip
+    return out
+
+
+def lint(recipe: Recipe, available: dict[str, int] | None = None) -> list[Finding]:
+    """All findings for a recipe; an empty list is a clean bill.
+
+    Args:
+        available: training tokens per prepared source (the manifests'); sources not in it are not judged for
+            repetition (their size is unknown until they are prepared).
+    """
+    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules)
+    return [f for rule in rules for f in rule(recipe)] + _repetition_rules(recipe, available or {})

@@ -99,6 +99,8 @@ class DataSection(Section):
     """Fraction of each source's documents held out for validation (at least one document)."""
     cache_dir: str = ".cache/pretrainer"
     """Tokenized data and trained tokenizers are cached here, keyed by content."""
+    inline_max_mb: float = Field(default=512, ge=0)
+    """A local source not prepared by `prepare_data.py` is tokenized inside the run only up to this size."""
 
     @field_validator("sources")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .lint import lint
+from .lint import drawn_tokens, lint
 from .model import build_config, build_model, count_params, flops_per_token, non_embedding_params
 from .schedules import lr_lambda
 from .sections import Recipe
@@ -21,8 +21,16 @@ def vocab_size_for(recipe: Recipe) -> int | None:
     return len(load_tokenizer(recipe.tokenizer, recipe.model.trust_remote_code))
 
 
-def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, Any]:
-    """A JSON-ready summary of the resolved recipe. The model is built on the meta device (no memory)."""
+def summarize(
+    recipe: Recipe, lr_steps: list[int] | None = None, available: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """A JSON-ready summary of the resolved recipe. The model is built on the meta device (no memory).
+
+    Args:
+        available: training tokens per prepared source; the others show as unknown (None).
+    """
+    available = available or {}
+    drawn = drawn_tokens(recipe)
     config = build_config(recipe.model, vocab_size=vocab_size_for(recipe))
     model = build_model(recipe.model, config, meta=True)
     params = count_params(model)
@@ -50,6 +58,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
                 "lr_start": peak * fn(s.start_step),
                 "lr_end": peak * fn(s.end_step - 1),
                 "flops_per_token": fpt,
+                "sources": {n: {"drawn": d, "available": available.get(n)} for n, d in drawn[s.index].items()},
             }
         )
     return {
@@ -60,7 +69,7 @@ def summarize(recipe: Recipe, lr_steps: list[int] | None = None) -> dict[str, An
         "total_flops": total_flops,
         "stages": stages,
         "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
-        "findings": [f.to_dict() for f in lint(recipe)],
+        "findings": [f.to_dict() for f in lint(recipe, available)],
     }
 
 
@@ -85,6 +94,12 @@ def format_summary(info: dict[str, Any]) -> str:
             f"{s['name']:<12}{s['start_step']:>10,}{s['steps']:>10,}{s['tokens']:>18,}{s['seq_len']:>9}"
             f"{s['sequences_per_step']:>11}{s['lr_start']:>11.3e}{s['lr_end']:>11.3e}  {mix}"
         )
+    lines += ["", "tokens drawn per stage and source, against the source's prepared training tokens:"]
+    for s in info["stages"]:
+        for n, d in s["sources"].items():
+            have = d["available"]
+            of = f"{have:>18,}  {d['drawn'] / have:5.2f}x" if have else f"{'unknown':>18}  (not prepared)"
+            lines.append(f"  {s['name']:<10}{n:<14}{d['drawn']:>18,} of {of}")
     for f in info["findings"]:
         lines.append(f"warning: {f['id']} {f['field']}: {f['message']} Fix: {f['fix']}")
     if info.get("wall_time"):

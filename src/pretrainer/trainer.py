@@ -64,12 +64,13 @@ class Trainer:
         with acc.main_process_first():
             self.tokenizer = get_tokenizer(recipe)
             self.sources = load_sources(recipe, self.tokenizer)
+        self.available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
         acc.wait_for_everyone()
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
         if acc.is_main_process:
-            announce(recipe, self.output_dir)
+            announce(recipe, self.output_dir, self.available)
         self._build_parts()
 
     def _build_model(self) -> None:
@@ -175,7 +176,7 @@ class Trainer:
                               str(restored.path) if restored else None), flush=True)  # fmt: skip
         if restored is None:
             self.log.event("run_start", 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes)
-            if findings := lint(recipe):
+            if findings := lint(recipe, self.available):
                 self.log.event("lint", 0, findings=[f.to_dict() for f in findings])
         self.bar = tqdm(total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process,
                         desc="train")  # fmt: skip

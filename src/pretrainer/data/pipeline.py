@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,10 +17,12 @@ from ..plan import StageSpan
 from ..sections import Recipe
 from ..tokenizer import load_tokenizer, trained_tokenizer
 from .packing import WindowTable, long_doc_windows, plain_windows
+from .prepare import held_out, prepare_source, read_manifest
+from .readers import iter_documents, source_files
 from .sampler import MixtureSampler, next_indices
-from .shards import prepare_source
-from .sources import read_documents, source_key
-from .tokens import TokenArrays, load_arrays, tokenizer_fingerprint, validation_mask
+from .sources import source_key
+from .tokenfiles import SplitTokens
+from .tokens import tokenizer_fingerprint
 
 
 def used_sources(recipe: Recipe) -> list[str]:
@@ -39,15 +42,16 @@ def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
     }
 
     def corpus():
-        # Learn from training documents only: held-out documents stay unseen by everything.
+        # Learn from training documents only (the same split as `prepare.SplitTokenizer`): held-out documents
+        # stay unseen by everything. Streamed: a source never sits whole in memory.
         limit = section.train.max_documents
         count = 0
         for n in names:
-            docs = read_documents(n, recipe.data.sources[n])
-            mask = validation_mask(len(docs), recipe.data.validation_fraction)
-            for doc, held_out in zip(docs, mask):
-                if not held_out:
-                    yield doc
+            first_file = source_files(n, recipe.data.sources[n]).paths[0]
+            for i, doc in enumerate(iter_documents(n, recipe.data.sources[n])):
+                first = i == 0 and doc.metadata.get("file") == first_file
+                if not (first or held_out(doc.id, recipe.data.validation_fraction)):
+                    yield doc.text
                     count += 1
                     if limit and count >= limit:
                         return
@@ -57,8 +61,8 @@ def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
 
 @dataclass
 class SourceData:
-    train: TokenArrays
-    val: TokenArrays
+    train: SplitTokens
+    val: SplitTokens
 
 
 def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
@@ -68,16 +72,48 @@ def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def load_sources(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> dict[str, SourceData]:
-    """Token arrays of every used source: prepared by `prepare_data.py` when it ran, else tokenized here (the same
-    code with one worker, so both give identical arrays) and memory-mapped from the cache after."""
+    """The token files of every used source, memory-mapped. A source `prepare_data.py` has not prepared is tokenized
+    here, by the same datatrove steps in this process, only when it is small (`data.inline_max_mb`): a large one
+    would keep every other rank waiting for hours, so the run stops and names the command instead."""
     out = {}
     for name in used_sources(recipe):
         base = source_dir(recipe, name, tokenizer)
-        if not (base / "manifest.json").exists():
-            docs = read_documents(name, recipe.data.sources[name])
-            prepare_source(name, docs, tokenizer, base, recipe.data.validation_fraction)
-        out[name] = SourceData(load_arrays(base / "train"), load_arrays(base / "val"))
+        manifest = read_manifest(base)
+        if manifest is None:
+            check_inline(recipe, name)
+            manifest = prepare_source(
+                name, recipe.data.sources[name], tokenizer, base, recipe.data.validation_fraction
+            )
+        out[name] = SourceData(SplitTokens(base, "train", manifest), SplitTokens(base, "val", manifest))
     return out
+
+
+def prepared_tokens(recipe: Recipe) -> dict[str, int]:
+    """Training tokens of each used source that is prepared, found without loading the tokenizer (a hub tokenizer
+    needs the network): the newest prepared directory with the source's content key. Unprepared sources are absent."""
+    out = {}
+    for name in used_sources(recipe):
+        key = source_key(name, recipe.data.sources[name], validation_fraction=recipe.data.validation_fraction)
+        found = sorted(Path(recipe.data.cache_dir, "tokens").glob(f"{name}-{key}-*/manifest.json"),
+                       key=lambda p: p.stat().st_mtime)  # fmt: skip
+        if found:
+            out[name] = int(json.loads(found[-1].read_text())["train_tokens"])
+    return out
+
+
+def check_inline(recipe: Recipe, name: str) -> None:
+    """Refuse to tokenize a hub source, or local files over `data.inline_max_mb`, inside the training run."""
+    src, limit = recipe.data.sources[name], recipe.data.inline_max_mb
+    how = "run `python scripts/prepare_data.py RECIPE` (same --set overrides) first"
+    if src.type == "hub":
+        raise DataError(f"data.sources.{name}: hub dataset {src.path!r} is not prepared; {how}")
+    if src.max_documents:
+        return  # bounded by its document count
+    files = source_files(name, src)
+    size = sum(os.path.getsize(os.path.join(files.folder, p)) for p in files.paths) / 2**20
+    if size > limit:
+        raise DataError(f"data.sources.{name}: not prepared, and {size:,.0f} MB is too much to tokenize inside the "
+                        f"training run (data.inline_max_mb: {limit:g}); {how}")  # fmt: skip
 
 
 class StageBatches:

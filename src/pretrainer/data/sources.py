@@ -1,4 +1,4 @@
-"""Read a source's documents with `datasets`: local files, hub datasets, or the Python stdlib's own source."""
+"""Which files a source is, and its cache key (the documents themselves are read by `readers.py`)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,10 @@ import glob
 import hashlib
 import json
 import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DataError
 from ..sections import SourceSection
-
-_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def stdlib_dir() -> Path:
@@ -58,55 +55,3 @@ def source_key(name: str, src: SourceSection, **settings) -> str:
         except OSError as e:
             raise DataError(f"data.sources.{name}: cannot read {e.filename}: {e.strerror}") from None
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def read_documents(name: str, src: SourceSection) -> list[str]:
-    """All documents of a source, in a fixed order (see `iter_documents`)."""
-    docs = list(iter_documents(name, src))
-    if not docs:
-        raise DataError(f"data.sources.{name}: no documents with text")
-    return docs
-
-
-def iter_documents(name: str, src: SourceSection) -> Iterator[str]:
-    """The documents of a source, in a fixed order, streamed (hub sources never sit whole in memory).
-
-    Raises:
-        DataError: the source is missing, unreadable, or lacks its text field.
-    """
-    import datasets
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()  # our one-line error says it; the library's log lines before it do not
-    try:
-        if src.type == "hub":
-            ds = datasets.load_dataset(src.path, src.name, split=src.split, streaming=src.streaming)
-        else:
-            files = [str(p) for p in resolve_files(name, src)]
-            exts = {Path(f).suffix for f in files}
-            fmt = {_FORMATS.get(e, "text") for e in exts}
-            if len(fmt) > 1:
-                raise DataError(f"data.sources.{name}.include: mixes file formats {sorted(exts)}; use one source each")
-            fmt = fmt.pop()
-            kwargs = {"sample_by": "document"} if fmt == "text" else {}
-            ds = datasets.load_dataset(fmt, data_files=files, split="train", **kwargs)
-    except DataError:
-        raise
-    except Exception as e:  # datasets raises many types; the user needs the source name and the reason
-        raise DataError(f"data.sources.{name}: cannot read: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    field = "text" if src.type != "hub" and fmt == "text" else src.text_field
-    count = 0
-    for row in ds:
-        if field not in row:
-            raise DataError(f"data.sources.{name}.text_field: {field!r} not in the rows (fields: {sorted(row)})")
-        text = row[field]
-        if text is not None and not isinstance(text, str):
-            raise DataError(
-                f"data.sources.{name}.text_field: {field!r} holds {type(text).__name__} values, not text "
-                f"(document {count + 1})"
-            )
-        if text:
-            yield text
-            count += 1
-        if src.max_documents and count >= src.max_documents:
-            return

@@ -1,0 +1,126 @@
+"""Preparation at three data sizes: wall time, tokens/s per worker and peak memory (all processes) per size.
+
+python scripts/bench_prepare.py --sizes-mb 25,50,200 --workers 2 --out /tmp/bench_prepare
+
+Synthetic jsonl (Zipf-distributed words, ~2 KB documents, 12.5 MB per file) is tokenized by `prepare_source` on
+datatrove's local executor, one task per file, in a fresh subprocess per size. Peak memory is the largest sum of
+RSS over the preparing process and all its children, sampled every 50 ms: it must stay flat as the data grows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+FILE_MB = 12.5
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mb", default="25,50,200", help="comma-separated sizes of text, in MB")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", default="/tmp/bench_prepare", help="work folder (data, tokenizer, token files)")
+    p.add_argument("--child", nargs=2, metavar=("DATA_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def make_data(folder: Path, mb: float, seed: int = 0) -> None:
+    """`mb` megabytes of jsonl documents, in files of FILE_MB."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    words = np.array([f"w{i:x}" for i in range(20_000)])
+    p = 1.0 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    n_files = max(1, round(mb / FILE_MB))
+    for f in range(n_files):
+        path, size = folder / f"{f:04d}.jsonl", 0
+        with open(path, "w") as out:
+            while size < FILE_MB * 2**20:
+                doc = " ".join(rng.choice(words, size=int(rng.integers(200, 600)), p=p))
+                size += out.write(json.dumps({"id": f"{f}-{size}", "text": doc}) + "\n")
+
+
+def tokenizer(out: Path):
+    """A small BPE learnt from the first data file (the benchmark measures preparation, not tokenizer training)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator((json.loads(line)["text"] for line in open(next(iter(sorted(out.glob("*.jsonl")))))),
+                            trainers.BpeTrainer(vocab_size=8192, special_tokens=["<eos>"]))  # fmt: skip
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def child(data_dir: str, out_dir: str, workers: int) -> None:
+    from pretrainer.data.prepare import prepare_source
+    from pretrainer.sections import SourceSection
+
+    src = SourceSection(type="files", include=[f"{data_dir}/*.jsonl"], text_field="text")
+    t0 = time.perf_counter()
+    m = prepare_source("bench", src, tokenizer(Path(data_dir)), Path(out_dir), 0.001, executor="local",
+                       workers=workers)  # fmt: skip
+    print(json.dumps({"tokens": m["tokens"], "docs": m["docs"], "files": m["files"],
+                      "seconds": time.perf_counter() - t0}))  # fmt: skip
+
+
+def peak_rss(proc: subprocess.Popen) -> list[int]:
+    """Sample the RSS of `proc` and its descendants until it exits; returns [peak bytes]."""
+    import psutil
+
+    peak = [0]
+
+    def watch():
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                total = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+                peak[0] = max(peak[0], total)
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return peak
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(*args.child, args.workers)
+        return 0
+    rows = []
+    for mb in [float(s) for s in args.sizes_mb.split(",")]:
+        data, out = Path(args.out) / f"data-{mb:g}", Path(args.out) / f"tokens-{mb:g}"
+        if not data.exists():
+            make_data(data, mb)
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+        cmd = [sys.executable, __file__, "--workers", str(args.workers), "--child", str(data), str(out)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        peak = peak_rss(proc)
+        stdout, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"preparation of {mb:g} MB failed (exit {proc.returncode})")
+        r = json.loads(stdout.strip().splitlines()[-1])
+        text_mb = sum(p.stat().st_size for p in data.glob("*.jsonl")) / 2**20
+        rows.append({"text_mb": round(text_mb, 1), "files": r["files"], "docs": r["docs"], "tokens": r["tokens"],
+                     "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"]),
+                     "tokens_per_s_per_worker": round(r["tokens"] / r["seconds"] / args.workers),
+                     "peak_rss_mb": round(peak[0] / 2**20)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    growth = rows[-1]["peak_rss_mb"] / rows[0]["peak_rss_mb"] - 1
+    print(json.dumps({"workers": args.workers, "size_ratio": round(rows[-1]["text_mb"] / rows[0]["text_mb"], 1),
+                      "peak_rss_growth": round(growth, 3)}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

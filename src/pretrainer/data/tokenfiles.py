@@ -1,0 +1,80 @@
+"""A prepared source's token files, memory-mapped in place and addressed as one array (no merge, no copy).
+
+A split of a source is the concatenation, in input-file order, of every file's `<split>.ds`. Slicing it costs
+O(log files) to find the file (a table of cumulative token counts) plus the copy of the slice itself; only a slice
+that straddles two files is assembled. Document boundaries (`*.ds.index`) are read only when a long-document stage
+asks for them, at 8 bytes per document.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+
+
+class TokenFiles:
+    """Several memory-mapped token files as one read-only 1-D array (slicing with step 1 and len only)."""
+
+    def __init__(self, paths: list[Path], dtype: np.dtype):
+        self.dtype = np.dtype(dtype)
+        self.maps = [np.memmap(p, dtype=self.dtype, mode="r") for p in paths if p.stat().st_size > 0]
+        self.starts = np.zeros(len(self.maps) + 1, dtype=np.int64)
+        np.cumsum([len(m) for m in self.maps], out=self.starts[1:])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice):
+            raise TypeError("TokenFiles supports slices only")
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("TokenFiles supports step-1 slices only")
+        if stop <= start:
+            return np.zeros(0, dtype=self.dtype)
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            lo = start - int(self.starts[i])
+            hi = min(stop, int(self.starts[i + 1])) - int(self.starts[i])
+            pieces.append(self.maps[i][lo:hi])
+            start += hi - lo
+            i += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+class SplitTokens:
+    """One split (train or val) of a prepared source: the interface of `tokens.TokenArrays`, backed by files."""
+
+    def __init__(self, source_dir: Path, split: str, manifest: dict):
+        files = Path(source_dir) / "files"
+        self.token_paths = [files / f"{i:05d}" / f"{split}.ds" for i in range(manifest["files"])]
+        missing = [p for p in self.token_paths if not p.exists()]
+        if missing:
+            raise DataError(f"{source_dir}: prepared data is incomplete ({missing[0]} is missing); prepare it again")
+        self.tokens = TokenFiles(self.token_paths, np.dtype(manifest["dtype"]))
+        self.n_docs = int(manifest[f"{split}_docs"])
+        if len(self.tokens) != manifest[f"{split}_tokens"]:
+            raise DataError(f"{source_dir}: {split} holds {len(self.tokens)} tokens, the manifest says "
+                            f"{manifest[f'{split}_tokens']}; prepare it again")  # fmt: skip
+
+    @functools.cached_property
+    def doc_offsets(self) -> np.ndarray:
+        """Start of each document in `tokens`, plus the end (n_docs + 1 entries)."""
+        ends, base = [np.zeros(1, dtype=np.int64)], 0
+        for p in self.token_paths:
+            idx = Path(f"{p}.index")
+            e = np.fromfile(idx, dtype="<u8").astype(np.int64) if idx.stat().st_size else np.zeros(0, np.int64)
+            ends.append(e + base)
+            base += p.stat().st_size // self.tokens.dtype.itemsize
+        return np.concatenate(ends)
+
+    def num_windows(self, seq_len: int) -> int:
+        return len(self.tokens) // seq_len
+
+    def window(self, j: int, seq_len: int) -> np.ndarray:
+        return self.tokens[j * seq_len : (j + 1) * seq_len]
