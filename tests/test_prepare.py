@@ -186,3 +186,35 @@ def test_bench_data_script(setup, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["stage"] for r in rows] == ["main", "long", "anneal"]
     assert all(r["tokens"] == 5 * 1024 and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_slurm_submission_then_array_tasks_then_manifest(setup, tmp_path, monkeypatch):
+    """The Slurm path without a cluster: capture datatrove's sbatch call, run each array task as Slurm would (the
+    pickled executor with SLURM_ARRAY_TASK_ID), then rerun the command: the manifest equals an in-process one."""
+    import dill
+    from datatrove.executor import slurm
+
+    recipe, tok, _ = setup
+    scripts = []
+    monkeypatch.setattr(slurm, "launch_slurm_job", lambda contents, *a, **k: scripts.append(contents) or "4242")
+    monkeypatch.setattr(slurm, "expand_slurm_nodelist", lambda nodes: [nodes])  # scontrol, inside a real task
+    with pytest.raises(DataError, match="--slurm: partition=NAME is required"):
+        _prepare(recipe, tok, tmp_path / "s", executor="slurm", workers=8)
+    with pytest.raises(DataError, match="--slurm: .*colour"):
+        _prepare(recipe, tok, tmp_path / "s", executor="slurm", slurm={"partition": "cpu", "colour": "blue"})
+    assert _prepare(recipe, tok, tmp_path / "s", executor="slurm", workers=8, slurm={"partition": "cpu"}) is None
+    n_files = len(source_files("stdlib", recipe.data.sources["stdlib"]).paths)
+    assert "#SBATCH --partition=cpu" in scripts[0] and f"#SBATCH --array=0-{n_files - 1}%8" in scripts[0]
+    (pik,) = (tmp_path / "s" / "logs").glob("*/executor.pik")
+    for task in range(n_files):
+        with open(pik, "rb") as f:
+            executor = dill.load(f)
+        for key, value in {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_NODELIST": "node1", "SLURM_NODEID": "0",
+                           "SLURM_JOB_ID": "4242"}.items():  # fmt: skip
+            monkeypatch.setenv(key, value)
+        executor.run()
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    done = _prepare(recipe, tok, tmp_path / "s", executor="slurm", slurm={"partition": "cpu"})
+    inline = _prepare(recipe, tok, tmp_path / "inline")
+    assert done is not None and len(scripts) == 2  # the job array and datatrove's stats merge; nothing resubmitted
+    assert {k: v for k, v in done.items() if k != "seconds"} == {k: v for k, v in inline.items() if k != "seconds"}

@@ -195,7 +195,13 @@ def _run(pipeline: list, executor: str, tasks: int, workers: int, logs: Path, sl
         from datatrove.executor import SlurmPipelineExecutor
 
         settings = {"time": "12:00:00", "job_name": f"prepare-{name}", **(slurm or {})}
-        SlurmPipelineExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=str(logs), **settings).run()
+        if "partition" not in settings:
+            raise DataError("--slurm: partition=NAME is required with --executor slurm")
+        try:
+            executor = SlurmPipelineExecutor(pipeline, tasks=tasks, workers=workers, logging_dir=str(logs), **settings)
+        except TypeError as e:  # an unknown setting: name it, with where the valid ones are listed
+            raise DataError(f"--slurm: {e} (see datatrove's SlurmPipelineExecutor for the settings)") from None
+        executor.run()
         return False
     raise DataError(f"--executor: {executor!r} is not one of inline, local, slurm")
 
