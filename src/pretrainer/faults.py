@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .sections import InjectSection
+
+if TYPE_CHECKING:  # annotations only: datatrove's preparation workers import kill_point without torch
+    import torch
 
 KILL_ENV = "PRETRAINER_KILL_AT"
 _KILL_SEEN: dict[str, int] = {}

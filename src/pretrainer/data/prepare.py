@@ -25,18 +25,21 @@ import shutil
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from datatrove.io import get_shard_from_paths_file
 from datatrove.utils.batching import batched
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
-from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
 from ..faults import kill_point
 from ..sections import SourceSection
 from .readers import SourceFiles, make_reader, read_errors, source_files
 from .tokens import token_dtype
+
+if TYPE_CHECKING:  # annotations only: the workers unpickle this module's step and need neither torch nor transformers
+    from transformers import PreTrainedTokenizerBase
 
 MANIFEST = "manifest.json"
 

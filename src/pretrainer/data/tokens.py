@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # annotations only: keeps transformers (and torch) out of the preparation workers
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
