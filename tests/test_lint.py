@@ -83,7 +83,7 @@ def test_repetition_finding_reads_the_prepared_manifests(cache_dir, capsys):
     assert f"{want:.1f}x its {available['curated']:,} prepared" in found[0].message
     run_modules = sum(s.tokens * w for s, w in zip(longer.plan.spans, (0.6, 0.5, 0.3)))
     assert f"{run_modules / available['modules']:.1f}x" in found[1].message
-    assert lint(longer) == [] or "PT014" not in ids(longer)  # unknown sizes are not judged
+    assert "PT014" not in ids(longer)  # unknown sizes are not judged
     # inspect_recipe shows drawn vs. available per stage and source, and the finding
     assert (
         inspect_recipe.main([TINY, "--json", "--set", f"data.cache_dir={cache_dir}", "--set", "stages.2.steps=200"])

@@ -17,7 +17,7 @@ from ..plan import StageSpan
 from ..sections import Recipe
 from ..tokenizer import load_tokenizer, trained_tokenizer
 from .packing import WindowTable, long_doc_windows, plain_windows
-from .prepare import held_out, prepare_source, read_manifest
+from .prepare import in_validation, prepare_source, read_manifest
 from .readers import iter_documents, source_files
 from .sampler import MixtureSampler, next_indices
 from .sources import source_key
@@ -50,7 +50,7 @@ def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
             first_file = source_files(n, recipe.data.sources[n]).paths[0]
             for i, doc in enumerate(iter_documents(n, recipe.data.sources[n])):
                 first = i == 0 and doc.metadata.get("file") == first_file
-                if not (first or held_out(doc.id, recipe.data.validation_fraction)):
+                if not in_validation(doc.id, first, recipe.data.validation_fraction):
                     yield doc.text
                     count += 1
                     if limit and count >= limit:

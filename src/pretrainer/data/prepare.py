@@ -50,6 +50,12 @@ def held_out(doc_id: str, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
+def in_validation(doc_id: str, first_of_source: bool, fraction: float) -> bool:
+    """The split rule, for the token files and the tokenizer's corpus alike: held out by `held_out`, and the
+    source's first document always (so even a tiny source has a validation set)."""
+    return first_of_source or held_out(doc_id, fraction)
+
+
 class FileWriter:
     """The train and validation token files of one input file, written into a temporary directory and renamed."""
 
@@ -105,8 +111,8 @@ class SplitTokenizer(PipelineStepWithTokenizer):
                         writer.finish(current)
                         finished.add(writer.index)
                     writer, current = FileWriter(files_dir, self.index.get(path, 0), self.dtype), path
-                first = writer.index == 0 and sum(writer.docs.values()) == 0  # at least one held-out document
-                split = "val" if first or held_out(doc.id, self.fraction) else "train"
+                first = writer.index == 0 and sum(writer.docs.values()) == 0
+                split = "val" if in_validation(doc.id, first, self.fraction) else "train"
                 writer.add(enc.ids + [self.eos_id], split)
                 self.stat_update("tokens", value=len(enc.ids) + 1)
         if writer is not None:
