@@ -18,6 +18,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("output_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="loss / LR / grad norm / tokens-per-second picture")
+    p.add_argument(
+        "--verify",
+        choices=["fast", "deep"],
+        default="deep",
+        help="latest checkpoint: deep (default) also reads every tensor back for NaN/Inf; fast: hashes",
+    )
     p.add_argument("--stall-minutes", type=float, default=30.0, help="no metrics for this long means stalled")
     return p.parse_args(argv)
 
@@ -33,7 +39,7 @@ def main(argv=None) -> int:
 
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
-        r = report(args.output_dir, args.stall_minutes)
+        r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep")
         if args.plot:
             from pretrainer.plots import plot_run
 

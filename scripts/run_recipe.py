@@ -33,6 +33,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="resume even though the recipe differs from the checkpoint's (the differences are logged)",
     )
     p.add_argument(
+        "--verify",
+        choices=["fast", "deep"],
+        default="fast",
+        help="how a checkpoint is checked before resuming or rolling back to it: fast (sizes and hashes, each rank "
+        "its share; NaN/Inf was checked on the live state at the save) or deep (also read every tensor back)",
+    )
+    p.add_argument(
         "--branch-decay-from",
         metavar="CHECKPOINT",
         help="WSD: run a decay of --decay-steps from this stable-phase checkpoint into --output-dir",
@@ -60,7 +67,14 @@ def main(argv=None) -> int:
                 raise PretrainerError("--branch-decay-from needs --decay-steps N and a new --output-dir")
             recipe = branch_decay_recipe(recipe, read_meta(args.branch_decay_from)["step"], args.decay_steps)
             resume, allow = args.branch_decay_from, True
-        Trainer(recipe, args.output_dir, args.overwrite, resume=resume, allow_recipe_change=allow).train()
+        Trainer(
+            recipe,
+            args.output_dir,
+            args.overwrite,
+            resume=resume,
+            allow_recipe_change=allow,
+            deep_verify=args.verify == "deep",
+        ).train()
         return 0
 
     return run_main(run, debug=args.debug)

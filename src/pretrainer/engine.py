@@ -37,6 +37,17 @@ def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator
         )
     except (ValueError, ImportError) as e:
         raise PretrainerError(f"precision.mixed: {recipe.precision.mixed!r} is not usable here: {e}") from None
+    if (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        and acc.distributed_type != DistributedType.FSDP
+    ):
+        # Accelerate turns FSDP on only for accelerator launches (GPU, XPU, NPU, HPU...); on CPU processes it would
+        # train plain DDP, with a full model and optimizer on every rank. Never fall back silently.
+        raise PretrainerError(
+            f"the launch asks for FSDP (ACCELERATE_USE_FSDP=true) but Accelerate enables it only on accelerators; "
+            f"here it is {acc.distributed_type.value}, which would train as plain data parallel with full copies. "
+            "On CPU processes use a DeepSpeed config (accelerate_configs/zero3.yaml); FSDP needs GPUs"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if acc.num_processes != world:  # a CPU launch without a process group: every rank would think it is alone
         raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
@@ -127,6 +138,7 @@ class StepRunner:
             norm = model.get_global_grad_norm()
             grad_norm = torch.as_tensor(norm if norm is not None else float("nan"), device=acc.device)
         loss = loss_sum / len(batches)
+        self.faults.after_step(step, self.optimizer, acc.process_index, acc.num_processes)
         if self.guard and observed is None:  # DeepSpeed: its engine has already stepped
             observed = self.observe(loss, grad_norm)
         return StepResult(loss, grad_norm, observed)

@@ -32,6 +32,15 @@ def checkpoint_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     raise PretrainerError(f"{ckpt}: no model weights found (model*.safetensors or a DeepSpeed checkpoint)")
 
 
+def _dcp_state_dict(ckpt: Path, model) -> dict[str, torch.Tensor]:
+    """The model weights of an FSDP/DCP checkpoint, read into a full model in this one process (no optimizer)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: v for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+    return state["model"]
+
+
 def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """Write `out/` with config (RoPE as trained), safetensors weights and the tokenizer."""
     ckpt, out = Path(ckpt), Path(out)
@@ -40,9 +49,13 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32")
     meta = read_meta(ckpt)
     cfg = dict(meta["model_config"])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    with torch.device("meta"):
+    if (ckpt / "dcp" / ".metadata").exists():
         model = AutoModelForCausalLM.from_config(config)
-    state = checkpoint_state_dict(ckpt)
+        state = _dcp_state_dict(ckpt, model)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        state = checkpoint_state_dict(ckpt)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()  # tied heads are stored once
     missing = [n for n, p in model.named_parameters() if p.is_meta]

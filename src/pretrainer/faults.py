@@ -63,3 +63,12 @@ class StepFaults:
                 if "exp_avg" in state:
                     state["exp_avg"].mul_(1e4)
         return self._fire("nan", self.inject.nan_step, step)
+
+    def after_step(self, step: int, optimizer, rank: int, world: int) -> None:
+        """A NaN in the last rank's own optimizer state (the innermost torch optimizer: DeepSpeed's fp32 partition
+        moments), if asked for this step."""
+        if rank == world - 1 and self._fire("nan_state", self.inject.nan_state_step, step):
+            while getattr(optimizer, "optimizer", None) is not None:
+                optimizer = optimizer.optimizer
+            t = next(s["exp_avg_sq"] for s in optimizer.state.values() if "exp_avg_sq" in s)
+            (t.to_local() if hasattr(t, "to_local") else t).view(-1)[0] = float("nan")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +216,8 @@ def _gns_summary(run: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoint: bool = True) -> dict[str, Any]:
+def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoint: bool = True,
+           deep: bool = True) -> dict[str, Any]:  # fmt: skip
     """Everything check_run.py prints: verdict, per-stage summaries, train/val gap, incidents, throughput, latest
     verified checkpoint, gradient noise scale."""
     run = load_run(output_dir)
@@ -244,7 +246,8 @@ def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoin
         out["throughput"] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_last": tps[-1]}
 
     if verify_checkpoint:  # the latest checkpoint that verifies
-        cand, skipped = ck.newest_valid(run["dir"] / "checkpoints")
+        check = partial(ck.verify, scan=deep)  # offline: also read every tensor back for NaN/Inf
+        cand, skipped = ck.newest_valid(run["dir"] / "checkpoints", check=check)
         out["latest_checkpoint"] = (
             {"path": str(cand.path), "step": cand.meta["step"], "skipped": [[str(p), why] for p, why in skipped]}
             if cand else None

@@ -228,8 +228,12 @@ class CheckpointSection(Section):
     keep_every_tokens: int | None = Field(default=None, ge=1)
     """Also keep the first checkpoint past each multiple of this many tokens (milestones, never pruned)."""
     async_: bool = Field(default=False, alias="async")
-    """Snapshot state to CPU memory and write it in the background; the loop blocks only for the snapshot.
-    (DeepSpeed and FSDP save synchronously: their states are sharded across ranks.)"""
+    """Write in the background; the loop blocks only while the state is copied to host memory (single process and
+    DDP: a snapshot on the main process; FSDP: DCP's staging on every rank). DeepSpeed saves synchronously (its
+    asynchronous engines need libaio and commit inside the next optimizer step); every backend hashes per rank."""
+    remote: str | None = None
+    """An fsspec URL (s3://bucket/run, gs://..., file:///mnt/backup/run) that each verified checkpoint is copied to
+    in the background, with the same retention; `--resume auto` falls back to it when no local checkpoint is valid."""
 
     @field_validator("keep_last")
     @classmethod
@@ -273,6 +277,9 @@ class InjectSection(Section):
     """Before this optimizer step, scale Adam's first moment by 1e4 (once per process: a transient)."""
     nan_step: int | None = None
     """Make this step's loss NaN (once per process)."""
+    nan_state_step: int | None = None
+    """After this step's update, put a NaN into the last rank's optimizer state (its own shard under ZeRO/FSDP),
+    where no loss shows it yet: the live check at the next save must flag that checkpoint (once per process)."""
 
 
 class DebugSection(Section):

@@ -46,8 +46,8 @@ class Trainer:
     """Runs a recipe. `Trainer(recipe).train()` is the whole program."""
 
     def __init__(self, recipe: Recipe, output_dir: str | Path | None = None, overwrite: bool = False,
-                 resume: str = "none", allow_recipe_change: bool = False):  # fmt: skip
-        self.recipe, self.plan = recipe, recipe.plan
+                 resume: str = "none", allow_recipe_change: bool = False, deep_verify: bool = False):  # fmt: skip
+        self.recipe, self.plan, self.deep_verify = recipe, recipe.plan, deep_verify
         self.output_dir = Path(output_dir or recipe.output_dir)
         self.resume_spec, self.allow_recipe_change = resume, allow_recipe_change
         self.rundir = RunDir(self.output_dir, resume, overwrite)
@@ -108,6 +108,7 @@ class Trainer:
             stage_names=[s.name for s in self.spans], log=self.log,
             extra_files={"tokenizer": self.tokenizer.save_pretrained},
         )  # fmt: skip
+        self.ckpt.deep_verify = self.deep_verify
         self.spikes = None
         if recipe.spikes.enabled:
 

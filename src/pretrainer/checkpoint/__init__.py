@@ -1,12 +1,18 @@
 """Checkpoints you can trust.
 
-A checkpoint is `checkpoints/step_00001000/`: Accelerate's `save_state` (model, optimizer, RNG; DeepSpeed/FSDP
-shards included) plus `meta.json` (our state) plus `manifest.json` (size and sha256 of every file), written into a
-hidden temporary directory and renamed into place after the manifest. A directory without a valid manifest is never
+A checkpoint is `checkpoints/step_00001000/`: the state (Accelerate's `save_state`: model, optimizer, RNG, DeepSpeed
+shards included; FSDP: DCP shards in `dcp/`) plus `meta.json` (our state) plus `manifest.json` (size and xxh3-128 of
+every file, each hashed by the rank that wrote it), written into a hidden temporary directory and renamed into place
+after the manifest. A directory without a valid manifest is never
 resumed from. All state is read from `meta.json`, never parsed out of directory names.
 
 - `format`: manifest, verification, listing, retention (pure functions of what is on disk);
-- `writer`: the CPU snapshot and the background writer;
+- `integrity`: which rank hashes and verifies which file, the hash, the live finite check;
+- `commit`: finishing a checkpoint every rank wrote part of, and verifying one, each rank its share;
+- `writer`: the CPU snapshot and the background writer (single process, DDP);
+- `dcp`: FSDP2 shards through torch.distributed.checkpoint, asynchronous, resharded on load;
+- `loading`: loading on any world size (DeepSpeed through its universal checkpoint);
+- `remote`: the background copy at an fsspec URL, its retention, the fetch for a replaced node;
 - `manager`: triggers, save, prune, protection, resume and restore.
 """
 

@@ -1,26 +1,25 @@
 """The checkpoint format: manifest, verification, listing, retention, all as functions of what is on disk.
 
-A checkpoint is `checkpoints/step_00001000/`: Accelerate's `save_state` (model, optimizer, RNG; DeepSpeed/FSDP shards
-included) plus `meta.json` (our state) plus `manifest.json` (size and sha256 of every file), written into a hidden
-temporary directory and renamed into place after the manifest. A directory without a valid manifest is never resumed
+A checkpoint is `checkpoints/step_00001000/`: the state (Accelerate's `save_state`: model, optimizer, RNG, DeepSpeed
+shards included; FSDP: DCP shards in `dcp/`) plus `meta.json` (our state) plus `manifest.json` (size and xxh3-128 of
+every file, each hashed by the rank that wrote it), written into a hidden temporary directory and renamed into place
+after the manifest. A directory without a valid manifest is never resumed
 from. All state is read from `meta.json`, never parsed out of directory names.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 from ..errors import PretrainerError
+from . import integrity
 
 MANIFEST = "manifest.json"
 META = "meta.json"
@@ -33,14 +32,6 @@ class CheckpointError(PretrainerError):
     exit_code = 74  # EX_IOERR
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -49,15 +40,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path) -> dict:
-    """Hash every file (the manifest itself excluded) and write the manifest last, durably."""
-    files = {}
-    for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-            files[str(p.relative_to(directory))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-    manifest = {"files": files, "created": time.time()}
+def list_files(directory: Path) -> dict[str, int]:
+    """Every file under a checkpoint directory (the manifest excepted), relative path -> size."""
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def write_manifest(directory: Path, files: dict[str, dict] | None = None) -> dict:
+    """Write the manifest last, durably. `files`: the ranks' merged entries (each rank hashed and fsynced its own
+    share); None: hash and fsync every file here (a single writer)."""
+    if files is None:
+        files = integrity.entries(directory, list(list_files(directory)))
+    manifest = {"files": dict(sorted(files.items())), "hash": integrity.HASH, "created": time.time()}
     tmp = directory / (MANIFEST + ".part")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -67,30 +64,9 @@ def write_manifest(directory: Path) -> dict:
     return manifest
 
 
-def _finite_problems(directory: Path) -> list[str]:
-    """Non-finite values in the saved weights and optimizer state (formats loaded without executing code)."""
-    problems = []
-    for f in sorted(directory.glob("model*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                t = st.get_tensor(k)
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    problems.append(f"{f.name}: {k} has non-finite values")
-    for f in sorted(directory.glob("optimizer*.bin")):
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # unreadable is a problem too
-            problems.append(f"{f.name}: unreadable ({type(e).__name__})")
-            continue
-        for pid, s in state.get("state", {}).items():
-            for name, t in s.items():
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
-                    problems.append(f"{f.name}: param {pid} {name} has non-finite values")
-    return problems
-
-
-WEIGHTS = ("model*.safetensors", "pytorch_model*/*model_states.pt", "pytorch_model_fsdp*/**/*", "model*.bin")
-"""What a loader needs at least one of: Accelerate's weights, DeepSpeed's or FSDP's shards."""
+WEIGHTS = ("model*.safetensors", "pytorch_model*/*model_states.pt", "pytorch_model_fsdp*/**/*", "model*.bin",
+           "dcp/.metadata")  # fmt: skip
+"""What a loader needs at least one of: Accelerate's weights, DeepSpeed's or FSDP's shards, our DCP checkpoint."""
 
 
 def _json(path: Path, what: str) -> tuple[dict | None, str | None]:
@@ -113,14 +89,20 @@ def meta_problem(meta: dict) -> str | None:
     return None
 
 
-def verify(directory: str | Path, deep: bool = True) -> list[str]:
+def verify(
+    directory: str | Path, hashes: bool = True, scan: bool = False, share: tuple[int, int] | None = None
+) -> list[str]:
     """Problems with a checkpoint; empty means it can be resumed from. Never raises.
 
     The manifest must list every file in the directory (a file it does not know was not there when it was written)
-    and at least one weights file; each listed file must exist with its size (and, deep, its sha256).
+    and at least one weights file; each listed file must exist with its size (and its hash); meta.json must not
+    record a non-finite state at the save.
 
     Args:
-        deep: also hash every file and check weights and optimizer state for NaN/inf.
+        hashes: hash the files (off: sizes only, the cheap check retention uses).
+        scan: the deep check: also read weights and optimizer state from the files for NaN/Inf (`check_run.py`,
+            `--verify deep`); the hot path relies on the live check recorded in meta.json instead.
+        share: (rank, world): check only this rank's files (the manager merges the ranks' answers).
     """
     d = Path(directory)
     manifest, why = _json(d / MANIFEST, "manifest (the save never finished)")
@@ -129,9 +111,11 @@ def verify(directory: str | Path, deep: bool = True) -> list[str]:
     meta, why = _json(d / META, "meta.json")
     if why or (why := meta_problem(meta)):
         return [why]
+    if meta.get("state_finite") is False:
+        return ["meta.json: weights or optimizer state held NaN/Inf when this checkpoint was saved"]
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, dict) and "size" in v for v in files.values()):
-        return ["manifest: `files` is not a map of file -> {size, sha256}"]
+        return ["manifest: `files` is not a map of file -> {size, hash}"]
     try:
         on_disk = {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name != MANIFEST}
         weights = any(fnmatch.fnmatch(rel, pat) for rel in files for pat in WEIGHTS)
@@ -140,19 +124,12 @@ def verify(directory: str | Path, deep: bool = True) -> list[str]:
     problems = [f"{rel}: not in the manifest" for rel in sorted(on_disk - set(files))][:3]
     if not weights:
         problems.append("manifest: lists no model weights")
-    for rel, info in files.items():
-        p = d / rel
-        try:
-            size = p.stat().st_size
-        except OSError:
-            problems.append(f"{rel}: missing")
-            continue
-        if size != info["size"]:
-            problems.append(f"{rel}: size {size} != {info['size']} (truncated?)")
-        elif deep and _sha256(p) != info.get("sha256"):
-            problems.append(f"{rel}: sha256 mismatch (corrupted)")
-    if deep and not problems:
-        problems += _finite_problems(d)
+    rels = sorted(files)
+    if share is not None:
+        rels = integrity.shares({r: files[r]["size"] for r in rels}, share[1])[share[0]]
+    problems += integrity.check(d, files, rels, deep=hashes)
+    if scan and not problems:
+        problems += integrity.scan_files(d)
     return problems
 
 
@@ -198,7 +175,7 @@ def list_checkpoints(root: Path) -> list[Candidate]:
 
 
 def newest_valid(
-    root: Path, max_step: int | None = None, finite_losses: bool = False
+    root: Path, max_step: int | None = None, finite_losses: bool = False, check: Callable[[Path], list[str]] = verify
 ) -> tuple[Candidate | None, list[tuple[Path, str]]]:
     """The newest checkpoint that verifies, and those skipped for failing verification (or for a broken meta.json),
     with the reason.
@@ -206,6 +183,7 @@ def newest_valid(
     Args:
         max_step: consider only checkpoints saved at or before this step (a rollback target predates its spike).
         finite_losses: consider only checkpoints whose recorded recent losses were all finite.
+        check: path -> problems (the manager's splits the work across ranks).
     """
     cands, skipped = scan(root)
     for c in reversed(cands):
@@ -213,7 +191,7 @@ def newest_valid(
             continue
         if finite_losses and not c.meta.get("loss_stats", {}).get("finite", True):
             continue
-        problems = verify(c.path)
+        problems = check(c.path)
         if not problems:
             return c, skipped
         skipped.append((c.path, "; ".join(problems[:3])))

@@ -10,7 +10,7 @@ part's name, and the resolved recipe with its hash.
 from __future__ import annotations
 
 import errno
-import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +21,15 @@ import yaml
 from accelerate.utils import DistributedType, broadcast
 
 from ..errors import PretrainerError
-from ..faults import kill_point
 from ..recipe import training_diff
 from ..sections import CheckpointSection
 from ..state import RunState, Stateful
+from . import commit, integrity
 from . import format as ck
+from .commit import Group
+from .dcp import DcpCheckpointer
+from .loading import load_state
+from .remote import Uploader, fetch_newest
 from .safe_load import weights_only
 from .writer import BackgroundWriter, Snapshot
 
@@ -79,10 +83,15 @@ class CheckpointManager:
         """Seconds the loop was blocked by saves since `take_blocked()` was last called."""
         self._pool: dict = {}  # snapshot buffers, reused between background saves
         self._config: tuple[object, int, dict] | None = None
-        self.async_ok = section.async_ and accelerator.distributed_type not in (
-            DistributedType.DEEPSPEED,
-            DistributedType.FSDP,
-        )
+        self.last_blocked = 0.0
+        kind = accelerator.distributed_type
+        self.async_ok = section.async_ and kind not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        self.dcp = DcpCheckpointer() if kind == DistributedType.FSDP else None
+        """FSDP saves and loads through DCP: sharded, asynchronous when asked, resharded on load."""
+        self.remote = Uploader(section, log) if section.remote and accelerator.is_main_process else None
+        """The background copy of each verified checkpoint to `checkpoint.remote` (main process)."""
+        self.deep_verify = False
+        """Also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`)."""
 
     # ------------------------------------------------------------------ when
 
@@ -129,8 +138,16 @@ class CheckpointManager:
             "recipe_hash": self.recipe_hash,
             "recipe": self.recipe,
             "model_config": self._model_config(),
+            "state_finite": self._state_finite(),
             **{name: part.state_dict() for name, part in self.parts.items()},
         }
+
+    def _state_finite(self) -> bool:
+        """Weights and optimizer state finite on every rank: one fused reduction per rank, one all-reduce."""
+        bad = 1.0 - integrity.state_finite(self.model, self.optimizer).to(self.acc.device)
+        if self.acc.num_processes > 1:
+            bad = self.acc.reduce(bad, reduction="sum")
+        return bool(bad.item() == 0)
 
     def _model_config(self) -> dict:
         """The model config as saved (RoPE as trained); re-serialised only when a stage changed RoPE."""
@@ -143,47 +160,61 @@ class CheckpointManager:
     def save(self, reason: str) -> Path:
         """Write a checkpoint atomically: state into `.tmp-step_N/`, then meta, extra files, manifest (last), rename.
 
+        Single process and DDP: Accelerate's files, in the background from a CPU snapshot on the main process when
+        `async`. FSDP: DCP shards from every rank, in the background when `async`. DeepSpeed: its engine's
+        synchronous save. In every case each rank hashes its own files for the manifest.
+
         Raises:
             ck.CheckpointError: the write failed; earlier checkpoints are intact and the partial one is removed.
         """
         acc = self.acc
         name = f"step_{self.state.step:08d}"
         tmp, final = self.root / f"{ck.TMP_PREFIX}{name}", self.root / name
-        t0 = time.perf_counter()
-        self.writer.wait()  # never two writes at once
+        t0, staged = time.perf_counter(), threading.Event()
+        self._wait()  # never two writes at once
         meta = self._meta(reason)
         if acc.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             ck.remove_dir(tmp) if tmp.exists() else None
         acc.wait_for_everyone()
-        if self.async_ok:
-            snap = Snapshot(acc, self.model, self.optimizer, self._pool)
-            self._pool = snap.pool
-            blocked = time.perf_counter() - t0
-            if acc.is_main_process:
-                self.writer.submit(lambda: self._write(snap, tmp, final, meta, blocked, t0))
-            self.mark_clock()
-            self.blocked_s += blocked
-            return final
-        try:
-            acc.save_state(str(tmp), safe_serialization=True)
-        except Exception as e:  # torch and safetensors raise RuntimeError-like errors on a full disk, not OSError
-            self._fail(tmp, name, e)
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            self._finish_write(tmp, final, meta, None, t0)
-        acc.wait_for_everyone()
+        if self.dcp is not None:
+            try:
+                self.dcp.save(self.model, self.optimizer, tmp,
+                              lambda g: self._commit(g, tmp, final, meta, t0, staged if self.section.async_ else None),
+                              async_=self.section.async_)  # fmt: skip
+            except Exception as e:
+                self._fail(tmp, name, e)
+        elif self.async_ok:
+            if acc.is_main_process:  # only the main process writes, so only it needs a copy
+                snap = Snapshot(acc, self.model, self.optimizer, self._pool)
+                self._pool = snap.pool
+                self.writer.submit(lambda: self._write(snap, tmp, final, meta, t0, staged))
+        else:
+            try:
+                acc.save_state(str(tmp), safe_serialization=True)
+            except Exception as e:  # torch and safetensors raise RuntimeError-like errors on a full disk, not OSError
+                self._fail(tmp, name, e)
+            acc.wait_for_everyone()
+            self._commit(Group(), tmp, final, meta, t0, None)
+            acc.wait_for_everyone()
         self.mark_clock()
-        self.blocked_s += time.perf_counter() - t0
+        self.last_blocked = time.perf_counter() - t0
+        self.blocked_s += self.last_blocked
+        staged.set()
         return final
 
-    def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, blocked: float, t0: float) -> None:
+    def _wait(self) -> None:
+        self.writer.wait()
+        if self.dcp is not None:
+            self.dcp.wait()
+
+    def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, t0: float, staged) -> None:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             snap.write(tmp, 0)
         except Exception as e:
             self._fail(tmp, final.name, e)
-        self._finish_write(tmp, final, meta, blocked, t0)
+        self._commit(Group(), tmp, final, meta, t0, staged, solo=True)
 
     def _fail(self, tmp: Path, name: str, e: Exception):
         if self.acc.is_main_process:
@@ -193,43 +224,47 @@ class CheckpointManager:
             f"checkpoint {name} could not be written ({_why(e)}); earlier checkpoints in {self.root} are intact"
         ) from None
 
-    def _finish_write(self, tmp: Path, final: Path, meta: dict, blocked: float | None, t0: float) -> None:
-        """Meta, extra files, manifest (last), rename. `blocked`: seconds the loop waited (None: all of it)."""
+    def _commit(self, group: Group, tmp: Path, final: Path, meta: dict, t0: float, staged: threading.Event | None,
+                solo: bool = False) -> None:  # fmt: skip
+        """Meta, extra files, per-rank hashes, manifest (last), rename; then the event and retention (rank 0).
+
+        Args:
+            staged: set once the loop is free again (`last_blocked` known); None: the loop waited for all of it.
+            solo: one writer (the main process's background thread): it hashes everything itself."""
         try:
-            (tmp / ck.META).write_text(json.dumps(meta, indent=1))
-            for sub, write in self.extra_files.items():
-                write(tmp / sub)
-            kill_point("after_state")
-            ck.write_manifest(tmp)
-            if final.exists():  # the same step again (a replay after rollback): the new one replaces it
-                ck.remove_dir(final)
-            tmp.rename(final)
-            ck.fsync_dir(self.root)
+            nbytes = commit.commit(Group(alone=True) if solo else group, tmp, final, meta, self.extra_files)
         except Exception as e:
             self._fail(tmp, final.name, e)
+        if not self.acc.is_main_process:
+            return
+        total = time.perf_counter() - t0
+        if staged is not None:
+            staged.wait()
         self.log.event(
             "checkpoint", meta["step"], path=str(final), reason=meta["reason"], tokens=meta["tokens"],
-            blocked_s=round(time.perf_counter() - t0 if blocked is None else blocked, 4),
-            total_s=round(time.perf_counter() - t0, 4),
-            bytes=sum(f.stat().st_size for f in final.rglob("*") if f.is_file()),
+            blocked_s=round(total if staged is None else self.last_blocked, 4), total_s=round(total, 4), bytes=nbytes,
+            state_finite=meta["state_finite"],
         )  # fmt: skip
         self.prune()
+        if self.remote is not None:
+            self.remote.submit(final)
 
     def finish(self) -> None:
         """Wait for a background write, then verify it: the run never exits before its last save is good."""
-        self.writer.wait()
+        self._wait()
+        if self.remote is not None:
+            self.remote.wait()
         self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            cands = ck.list_checkpoints(self.root)
-            if cands and (problems := ck.verify(cands[-1].path)):
-                raise ck.CheckpointError(f"{cands[-1].path}: the last checkpoint does not verify: {problems[:3]}")
+        cands = ck.list_checkpoints(self.root)
+        if cands and (problems := self.verify(cands[-1].path)):
+            raise ck.CheckpointError(f"{cands[-1].path}: the last checkpoint does not verify: {problems[:3]}")
 
     def prune(self) -> None:
         """Keep the newest `keep_last`, milestones, protected ones, and always the newest that verifies."""
         cands = ck.list_checkpoints(self.root)
         keep = ck.to_keep(cands, self.section.keep_last, self.section.keep_every_tokens, self.protected)
         for c in reversed(cands):  # the newest that passes the (cheap) manifest check is never pruned
-            if not ck.verify(c.path, deep=False):
+            if not ck.verify(c.path, hashes=False):
                 keep.add(c.path)
                 break
         for c in cands:
@@ -241,11 +276,12 @@ class CheckpointManager:
     # ------------------------------------------------------------------ choose, restore, resume
 
     def verify(self, path: Path) -> list[str]:
-        return ck.verify(path)
+        """The same answer on every rank; each rank hashes its share (deep: rank 0 also scans the files)."""
+        return commit.verify(Group(), Path(path), scan=self.deep_verify)
 
     def rollback_target(self, max_step: int) -> Path | None:
         """The newest checkpoint saved at or before `max_step` that verifies and recorded only finite losses."""
-        cand, _ = ck.newest_valid(self.root, max_step=max_step, finite_losses=True)
+        cand, _ = ck.newest_valid(self.root, max_step=max_step, finite_losses=True, check=self.verify)
         return cand.path if cand else None
 
     def clean_incomplete(self) -> None:
@@ -257,23 +293,35 @@ class CheckpointManager:
         self.acc.wait_for_everyone()
 
     def find(self, spec: str) -> Path | None:
-        """The checkpoint `spec` names: `auto` (the newest that verifies; None when there is none) or a path."""
+        """The checkpoint `spec` names: `auto` (the newest that verifies, locally, else at `checkpoint.remote`;
+        None when there is none) or a path."""
         if spec != "auto":
             path = Path(spec)
-            if problems := ck.verify(path):
+            if problems := self.verify(path):
                 raise PretrainerError(f"--resume {spec}: not a valid checkpoint: {'; '.join(problems[:3])}")
             return path
-        cand, skipped = ck.newest_valid(self.root)
+        cand, skipped = ck.newest_valid(self.root, check=self.verify)
         for path, why in skipped:
             self.log.event("resume_skip", 0, path=str(path), reason=why)
             if self.acc.is_main_process:
                 print(f"resume: skipping {path}: {why}", flush=True)
+        if cand is None and self.section.remote:
+            cand = self._from_remote()
         if cand is None and self.acc.is_main_process:
             print("resume: no valid checkpoint, starting from scratch", flush=True)
         return cand.path if cand else None
 
+    def _from_remote(self) -> ck.Candidate | None:
+        """A replaced node: the newest remote checkpoint that verifies, copied into the local directory."""
+        got = fetch_newest(self.section.remote, self.root, self.log) if self.acc.is_main_process else None
+        self.acc.wait_for_everyone()
+        cand, _ = ck.newest_valid(self.root, check=self.verify)
+        if cand is not None and self.acc.is_main_process:
+            print(f"resume: copied {got} from {self.section.remote}", flush=True)
+        return cand
+
     def check_compatible(self, path: Path, allow_recipe_change: bool) -> None:
-        """Refuse a checkpoint that the current recipe or launch cannot continue, unless the change is allowed."""
+        """Refuse a checkpoint that the current recipe cannot continue, unless the change is allowed."""
         meta = ck.read_meta(path)
         if diffs := training_diff(meta["recipe"], self.recipe):
             if not allow_recipe_change:
@@ -285,10 +333,6 @@ class CheckpointManager:
             if self.acc.is_main_process:
                 out = self.root.parent / f"recipe.step_{meta['step']:08d}.yaml"
                 out.write_text(yaml.safe_dump(meta["recipe"]))
-        if meta["world_size"] != self.acc.num_processes and self.acc.distributed_type == DistributedType.DEEPSPEED:
-            raise PretrainerError(
-                f"--resume {path}: saved by {meta['world_size']} DeepSpeed processes, now {self.acc.num_processes}"
-            )
 
     def resume(
         self, spec: str, allow_recipe_change: bool, redirect: Callable[[Path, int], Path] | None = None
@@ -308,11 +352,21 @@ class CheckpointManager:
         return self.restore(path)
 
     def restore(self, path: Path) -> Restored:
-        """Load model/optimizer/RNG, the run state and every part from a checkpoint (resume and rollback)."""
+        """Load model/optimizer/RNG, the run state and every part from a checkpoint (resume and rollback), whatever
+        number of processes saved it."""
         meta = ck.read_meta(path)
         try:
             with weights_only(str(path)):
-                self.acc.load_state(str(path))
+                load_state(
+                    self.acc,
+                    self.model,
+                    self.optimizer,
+                    Path(path),
+                    meta,
+                    self.dcp,
+                    self.log,
+                    self.root.parent / "universal",
+                )
         except RuntimeError as e:  # a model of another shape: one line, not the state dict's traceback
             lines = [x.strip() for x in str(e).splitlines() if "size mismatch" in x or "Missing key" in x]
             raise PretrainerError(

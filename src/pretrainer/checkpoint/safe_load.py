@@ -2,7 +2,7 @@
 
 Accelerate already loads its own files that way; DeepSpeed's engine and `zero_to_fp32` ask for
 `weights_only=False` and so would unpickle anything a crafted `*_optim_states.pt` holds. Inside `weights_only()`
-their loads are forced to the weights-only unpickler, with the two plain DeepSpeed types its states contain
+their loads are forced to the weights-only unpickler, with the three plain DeepSpeed types its states contain
 allow-listed; anything else (a class to instantiate, a function to call) is refused.
 """
 
@@ -24,9 +24,10 @@ def _deepspeed_globals() -> list:
     try:
         from deepspeed.runtime.fp16.loss_scaler import LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
     except ImportError:  # no DeepSpeed installed: no DeepSpeed checkpoint to read
         return []
-    return [LossScaler, ZeroStageEnum]
+    return [LossScaler, ZeroStageEnum, fragment_address]  # ZeRO-1/2 shards hold fragment_address(numel, start)
 
 
 class UnsafeCheckpoint(PretrainerError):

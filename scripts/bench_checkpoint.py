@@ -1,0 +1,127 @@
+"""Checkpoint cost at three model sizes, 2 processes (FSDP2 `fully_shard` on gloo, saved through pretrainer's DCP
+path): how long a save blocks the loop (sync vs async), how long the per-rank hashing and verification take, and what
+the old single-process sha256 pass over the whole checkpoint cost.
+
+    python scripts/bench_checkpoint.py --sizes 192x2,512x6,1024x8 --out /tmp/bench_ckpt
+
+Each size runs in its own `torchrun --nproc_per_node 2`; one optimizer step first, so the Adam moments exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="192x2,512x6,1024x8", help="HIDDENxLAYERS,... (Llama, vocab 32000)")
+    p.add_argument("--out", type=Path, default=Path("/tmp/bench_ckpt"))
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrainer.checkpoint import commit, integrity
+    from pretrainer.checkpoint import format as ck
+    from pretrainer.checkpoint.dcp import DcpCheckpointer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    h = args.hidden
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=h * 2, num_hidden_layers=args.layers,
+                      num_attention_heads=max(1, h // 64), max_position_embeddings=64)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 32000, (2, 64))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    saver, root, out = DcpCheckpointer(), args.out / "checkpoints", {}
+    for mode in ("sync", "async_first", "async"):  # the first async save allocates the staging buffers
+        name = f"step_{mode}"
+        tmp, final = root / f"{ck.TMP_PREFIX}{name}", root / name
+        meta = {"step": 1, "tokens": 0, "stage_index": 0, "cursor": 0, "skips": [], "recipe": {}, "world_size": world}
+        dist.barrier()
+        t0 = time.perf_counter()
+        saver.save(
+            model, opt, tmp, lambda g, t=tmp, f=final, m=meta: commit.commit(g, t, f, m, {}), async_=mode != "sync"
+        )
+        out[f"{mode}_blocked_s"] = time.perf_counter() - t0
+        saver.wait()
+        out[f"{mode}_total_s"] = time.perf_counter() - t0
+        dist.barrier()
+    path = root / "step_async"
+    t0 = time.perf_counter()
+    assert commit.verify(saver.group, path) == []
+    out["verify_world_s"] = time.perf_counter() - t0
+    dist.barrier()
+    if rank == 0:
+        t0 = time.perf_counter()
+        assert ck.verify(path) == []  # one process hashing everything (xxh3)
+        out["verify_one_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for f in sorted(ck.list_files(path)):
+            integrity.file_hash(path / f, "sha256")  # what every save used to cost on the main process alone
+        out["sha256_one_s"] = time.perf_counter() - t0
+        out["bytes"] = sum(ck.list_files(path).values())
+        out["params"] = n_params
+        (args.out / "result.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    rows = []
+    for spec in args.sizes.split(","):
+        hidden, layers = (int(v) for v in spec.split("x"))
+        d = args.out / spec
+        shutil.rmtree(d, ignore_errors=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.procs),
+               __file__, "--worker", "--hidden", str(hidden), "--layers", str(layers), "--out", str(d)]  # fmt: skip
+        subprocess.run(cmd, check=True, env=env)
+        r = json.loads((d / "result.json").read_text())
+        gb = r["bytes"] / 1e9
+        rows.append((spec, r))
+        print(json.dumps({"size": spec, **r}), flush=True)
+        shutil.rmtree(d / "checkpoints", ignore_errors=True)
+    print(
+        f"\n| model | params | checkpoint | sync save | async blocks (first save) | async/sync | verify, {args.procs} ranks | "
+        "verify, 1 process | sha256, 1 process (old) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec, r in rows:
+        gb = r["bytes"] / 1e9
+        print(f"| {spec} | {r['params'] / 1e6:.0f}M | {gb:.2f} GB | {r['sync_total_s']:.2f} s ({r['sync_total_s'] / gb:.2f} s/GB) "
+              f"| {r['async_blocked_s']:.3f} s ({r['async_first_blocked_s']:.3f} s) "
+              f"| {r['async_blocked_s'] / r['sync_total_s']:.1%} "
+              f"| {r['verify_world_s']:.3f} s ({r['verify_world_s'] / gb:.3f} s/GB) "
+              f"| {r['verify_one_s']:.3f} s | {r['sha256_one_s']:.2f} s |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

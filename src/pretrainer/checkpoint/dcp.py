@@ -1,0 +1,147 @@
+"""FSDP2 checkpoints through `torch.distributed.checkpoint` (DCP): every rank writes its own shards, asynchronously,
+and a checkpoint loads into any number of processes (DCP reshards on load).
+
+Layout inside a checkpoint directory: `dcp/` (DCP's `.metadata` and one `__<rank>_0.distcp` per rank, holding the
+model and optimizer state as `{"model": ..., "optim": ...}` from `get_state_dict`) and `random_states_<rank>.pkl`.
+The asynchronous save blocks only while DCP stages the state into host memory (pinned where a GPU exists); the write
+and the commit (per-rank hashes, manifest, rename: `commit.commit`) run in a background thread per rank over a
+process group of their own, so they never interleave with the training loop's collectives.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .commit import Group
+
+SUBDIR = "dcp"
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    return dcp, get_state_dict, set_state_dict
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper: DCP wants the torch optimizer
+
+
+def rng_state() -> dict:
+    """RNG states as tensors and plain tuples only, so they load with `weights_only=True`."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {"random": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+           "torch": torch.get_rng_state()}  # fmt: skip
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _warm_stager():
+    """A DCP stager that copies into the same host buffers every save (pinned where CUDA exists). torch's own
+    `BlockingAsyncStager(cache_staged_state_dict=True)` always asks for pinned memory, which fails without CUDA."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    class WarmStager(AsyncStager):
+        _synchronize_after_execute = False
+
+        def __init__(self):
+            self.cache = None
+
+        def stage(self, state_dict):
+            if self.cache is not None:
+                try:
+                    return _copy_state_dict(state_dict, self.cache)
+                except (KeyError, RuntimeError, ValueError):  # another structure than last time: new buffers
+                    self.cache = None
+            self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            return _copy_state_dict(state_dict, self.cache)
+
+        def synchronize_staging(self) -> None:
+            pass
+
+    return WarmStager()
+
+
+class DcpCheckpointer:
+    """Save and load model + optimizer as DCP shards. At most one asynchronous save in flight; `wait()` joins it and
+    re-raises its error."""
+
+    def __init__(self):
+        # Gloo for the background thread's collectives (DCP's planning, the manifest gather): a group of its own,
+        # so they never race the loop's collectives on the default group (NCCL on GPUs).
+        self.group = Group(dist.new_group(backend="gloo")) if dist.is_initialized() else Group()
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.stager = None
+        """DCP's staging buffers, kept between saves: copying into warm (pinned, on a GPU) memory instead of fresh
+        allocations is most of the blocking time (docs/BENCHMARKS.md). Safe to reuse: one save
+        is in flight at a time."""
+
+    def _stager(self):
+        if self.stager is None:
+            self.stager = _warm_stager()
+        return self.stager
+
+    def save(self, model, optimizer, tmp: Path, finish: Callable[[Group], None], async_: bool) -> None:
+        """Write the state into `tmp/dcp`, then `finish(group)` (the commit), in the background when `async_`.
+        Returns once the state is staged (async) or committed (sync)."""
+        dcp, get_state_dict, _ = _dcp()
+        self.wait()
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), tmp / f"random_states_{self.group.rank}.pkl")
+        msd, osd = get_state_dict(model, _inner(optimizer))
+        state = {"model": msd, "optim": osd}
+        target = str(tmp / SUBDIR)
+        if not async_:
+            dcp.save(state, checkpoint_id=target, process_group=self.group.pg)
+            finish(self.group)
+            return
+        future = dcp.async_save(state, checkpoint_id=target, process_group=self.group.pg, async_stager=self._stager())
+
+        def run():
+            try:
+                future.result()
+                finish(self.group)
+            except BaseException as e:  # surfaced on the training thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="dcp-commit", daemon=False)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def load(self, model, optimizer, path: Path) -> None:
+        """Load into the live (sharded) model and optimizer, whatever number of processes saved it."""
+        dcp, get_state_dict, set_state_dict = _dcp()
+        msd, osd = get_state_dict(model, _inner(optimizer))
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(Path(path) / SUBDIR), process_group=self.group.pg)
+        set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = Path(path) / f"random_states_{self.group.rank}.pkl"
+        if rng.exists():  # absent when more ranks resume than saved: they keep their seeded state
+            set_rng_state(torch.load(rng, weights_only=True))

@@ -1,0 +1,63 @@
+"""Loading a checkpoint into the live model and optimizer, whatever number of processes saved it.
+
+- FSDP: DCP reshards on load (`dcp.DcpCheckpointer.load`).
+- DeepSpeed, same world size: the engine's own load, through Accelerate.
+- DeepSpeed, another world size (a lost node, a bigger allocation): the checkpoint is converted once into
+  DeepSpeed's universal format (`deepspeed.checkpoint.ds_to_universal`, parameter by parameter, optimizer moments
+  included), next to the run's checkpoints in `universal/step_N/`, and loaded with `load_universal_checkpoint`.
+- Single process and DDP: Accelerate's files hold the whole state; any world size loads them.
+
+The data cursor is global and the global batch is fixed, so only the accumulation steps per rank change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from accelerate.utils import DistributedType
+
+from ..errors import PretrainerError
+
+DS_TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed's checkpoint
+
+
+def load_state(acc, model, optimizer, path: Path, meta: dict, dcp, log, universal_root: Path) -> None:
+    """Args:
+    universal_root: where DeepSpeed's universal conversions go (the run's `universal/`)."""
+    if dcp is not None:
+        dcp.load(model, optimizer, path)
+        return
+    saved = meta.get("world_size", acc.num_processes)
+    if acc.distributed_type == DistributedType.DEEPSPEED and saved != acc.num_processes:
+        universal = to_universal(acc, path, meta, log, universal_root / path.name)
+        engine = acc.deepspeed_engine_wrapped.engine
+        engine._config.load_universal_checkpoint = True  # read at load time by the engine and its ZeRO optimizer
+        try:
+            engine.load_checkpoint(str(universal), tag=DS_TAG)
+        finally:
+            engine._config.load_universal_checkpoint = False
+        return
+    acc.load_state(str(path))
+
+
+def to_universal(acc, path: Path, meta: dict, log, out: Path) -> Path:
+    """DeepSpeed's universal checkpoint of `path`, in `out` (converted by the main process once; reused after)."""
+    done = out / "done"
+    if acc.is_main_process and not done.exists():
+        try:
+            from deepspeed.checkpoint import ds_to_universal
+        except ImportError as e:
+            raise PretrainerError(f"--resume {path}: DeepSpeed's universal checkpoint is not available: {e}") from None
+        shutil.rmtree(out, ignore_errors=True)
+        src = path / DS_TAG
+        args = argparse.Namespace(input_folder=str(src), output_folder=str(out / DS_TAG), num_extract_workers=2,
+                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                  inject_missing_state=True)  # fmt: skip
+        ds_to_universal.main(args)
+        done.write_text(str(meta["step"]))
+        log.event("universal_convert", meta["step"], path=str(path), to=str(out),
+                  saved_world=meta["world_size"], world=acc.num_processes)  # fmt: skip
+    acc.wait_for_everyone()
+    return out

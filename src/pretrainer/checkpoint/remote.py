@@ -1,0 +1,144 @@
+"""A copy of each verified checkpoint at `checkpoint.remote`, any fsspec URL (s3://, gs://, file://, a mounted
+path), uploaded in the background by the main process; retention there follows the local rules; `--resume auto`
+copies the newest remote checkpoint that verifies when the local directory has none (a replaced node).
+
+Object stores have no atomic rename, so the remote protocol is "manifest last": a checkpoint's files are uploaded
+first, its `manifest.json` after them; a remote directory without one is an unfinished upload, never fetched, and
+removed by retention. A fetched checkpoint is verified (sizes and hashes) before anything resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from . import format as ck
+
+
+def _fs(url: str):
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    return fs, root.rstrip("/")
+
+
+def _remote_candidates(fs, root: str) -> tuple[list[ck.Candidate], list[str]]:
+    """Finished remote checkpoints, oldest first, and unfinished ones (no manifest)."""
+    done, unfinished = [], []
+    try:
+        dirs = [d for d in fs.ls(root, detail=False) if fs.isdir(d)]
+    except FileNotFoundError:
+        return [], []
+    for d in dirs:
+        name = d.rstrip("/").rsplit("/", 1)[-1]
+        if not fs.exists(f"{d}/{ck.MANIFEST}"):
+            unfinished.append(d)
+            continue
+        try:
+            meta = json.loads(fs.cat_file(f"{d}/{ck.META}"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and not ck.meta_problem(meta):
+            done.append(ck.Candidate(Path(name), meta))
+    return sorted(done, key=lambda c: (c.meta["step"], c.meta.get("saved_at", 0))), unfinished
+
+
+class Uploader:
+    """One background thread; while an upload runs, only the newest waiting checkpoint is kept (a slow link falls
+    behind by skipping, never by stalling the run or queueing without bound)."""
+
+    def __init__(self, section, log):
+        self.url, self.section, self.log = section.remote, section, log
+        self.cv = threading.Condition()
+        self.pending: Path | None = None
+        self.busy = False
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._loop, name="checkpoint-upload", daemon=True)
+        self.thread.start()
+
+    def submit(self, path: Path) -> None:
+        with self.cv:
+            if self.pending is not None:
+                self.log.event("remote_skip", 0, path=str(self.pending), reason="a newer checkpoint is waiting")
+            self.pending = path
+            self.cv.notify_all()
+
+    def wait(self) -> None:
+        """Until nothing is waiting or uploading (the end of a run)."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.pending is None and not self.busy)
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.pending is not None)
+                path, self.pending, self.busy = self.pending, None, True
+            try:
+                n = upload(path, self.url)
+                self.log.event("remote_upload", 0, path=str(path), url=self.url, bytes=n)
+                for gone in prune_remote(self.url, self.section):
+                    self.log.event("remote_prune", 0, path=gone)
+            except Exception as e:  # a failed upload must not kill the run; the local checkpoint stands
+                self.log.event("remote_failed", 0, path=str(path), error=f"{type(e).__name__}: {e}")
+            finally:
+                with self.cv:
+                    self.busy = False
+                    self.cv.notify_all()
+
+
+def upload(path: Path, url: str) -> int:
+    """Copy one local checkpoint to `url/<name>/`, the manifest last. Returns the bytes copied."""
+    fs, root = _fs(url)
+    dst = f"{root}/{path.name}"
+    files = sorted(ck.list_files(path))  # the manifest is not listed: it goes last
+    n = 0
+    for rel in [*files, ck.MANIFEST]:
+        target = f"{dst}/{rel}"
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(str(path / rel), target)
+        n += (path / rel).stat().st_size
+    return n
+
+
+def prune_remote(url: str, section) -> list[str]:
+    """Remote retention: the local rules (newest `keep_last`, milestones), and unfinished uploads but the newest."""
+    fs, root = _fs(url)
+    cands, unfinished = _remote_candidates(fs, root)
+    keep = ck.to_keep(cands, section.keep_last, section.keep_every_tokens, set())
+    gone = [f"{root}/{c.path.name}" for c in cands if c.path not in keep]
+    newest = cands[-1].meta["step"] if cands else -1
+    gone += [d for d in unfinished if _step(d) is not None and _step(d) < newest]  # a newer one finished since
+    for d in gone:
+        fs.rm(d, recursive=True)
+    return gone
+
+
+def _step(d: str) -> int | None:
+    name = d.rstrip("/").rsplit("/", 1)[-1]
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def fetch_newest(url: str, root: Path, log) -> str | None:
+    """Copy the newest remote checkpoint that verifies into `root` (atomically, as a save would); its name, or None."""
+    fs, rroot = _fs(url)
+    cands, _ = _remote_candidates(fs, rroot)
+    for c in reversed(cands):
+        name, src = c.path.name, f"{rroot}/{c.path.name}"
+        tmp = Path(root) / f"{ck.TMP_PREFIX}{name}"
+        ck.remove_dir(tmp) if tmp.exists() else None
+        for f in fs.find(src):
+            rel = f[len(src) + 1 :]  # fsspec lists paths without the protocol, as url_to_fs gave the root
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f, str(tmp / rel))
+        if problems := ck.verify(tmp):
+            log.event("remote_skip", 0, path=src, reason="; ".join(problems[:3]))
+            ck.remove_dir(tmp)
+            continue
+        final = Path(root) / name
+        if final.exists():
+            ck.remove_dir(final)
+        tmp.rename(final)
+        log.event("remote_fetch", 0, path=src, to=str(final))
+        return name
+    return None
