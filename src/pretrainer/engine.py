@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from .errors import PretrainerError
 from .faults import StepFaults
+from .masking import Inputs, plain_inputs
 from .plan import RunPlan
 from .sections import Recipe
 from .tracking import tracker_setup
@@ -89,13 +90,14 @@ class StepRunner:
     """Forward/backward over a rank's micro batches, then one clipped optimizer step and the LR update."""
 
     def __init__(self, accelerator, model, optimizer, scheduler, max_grad_norm: float | None, faults: StepFaults,
-                 log, guard: bool):  # fmt: skip
+                 log, guard: bool, inputs: Inputs = plain_inputs):  # fmt: skip
         """Args:
+        inputs: token rows -> model inputs (document masking, when the recipe asks for it).
         guard: read loss and grad norm on the host before the update, so a non-finite step never reaches the
             optimizer (and the spike detector gets its values)."""
         self.acc, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_norm = math.inf if max_grad_norm is None else max_grad_norm  # inf: measure the norm, clip nothing
-        self.faults, self.log, self.guard = faults, log, guard
+        self.faults, self.log, self.guard, self.inputs = faults, log, guard, inputs
         self.gns_small_sq: torch.Tensor | None = None
         """One micro batch's own squared gradient norm, for the noise scale (set when asked for)."""
 
@@ -123,7 +125,7 @@ class StepRunner:
         for k, mb in enumerate(batches):
             mb = mb.to(acc.device, non_blocking=True)
             with acc.accumulate(model):
-                out = model(input_ids=mb, labels=mb, use_cache=False)
+                out = model(**self.inputs(mb), use_cache=False)
                 loss = out.loss * float("nan") if nan else out.loss
                 acc.backward(loss)
                 loss_sum += loss.detach().float()

@@ -10,19 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from .data.pipeline import SourceData, StageBatches, validation_batches
+from .masking import Inputs, plain_inputs
 
 
 class Evaluator:
     """Mean held-out loss per source, on the same fixed batches at every eval of a given (seq_len, micro batch)."""
 
-    def __init__(self, accelerator, model, sources: dict[str, SourceData], names: list[str], max_batches: int):
-        self.acc, self.model, self.sources, self.names, self.max_batches = (
-            accelerator,
-            model,
-            sources,
-            names,
-            max_batches,
-        )
+    def __init__(self, accelerator, model, sources: dict[str, SourceData], names: list[str], max_batches: int,
+                 inputs: Inputs = plain_inputs):  # fmt: skip
+        """Args:
+        inputs: token rows -> model inputs (document masking, when the recipe asks for it)."""
+        self.acc, self.model, self.sources, self.names = accelerator, model, sources, names
+        self.max_batches, self.inputs = max_batches, inputs
         self._cache: dict[tuple[int, int], dict[str, list[torch.Tensor]]] = {}
 
     @torch.no_grad()
@@ -45,7 +44,7 @@ class Evaluator:
                 k = j * acc.num_processes + acc.process_index
                 real = k < len(batches)
                 mb = batches[k if real else 0].to(acc.device)
-                loss = model(input_ids=mb, labels=mb, use_cache=False).loss.float()
+                loss = model(**self.inputs(mb), use_cache=False).loss.float()
                 total += torch.stack([loss * mb.numel() * real, torch.tensor(mb.numel() * real, device=acc.device)])
             total = acc.reduce(total, reduction="sum")
             out[f"val/{name}"] = (total[0] / total[1]).item()
@@ -57,7 +56,7 @@ class Evaluator:
 
 @torch.no_grad()
 def sample_losses(
-    accelerator, model, batcher: StageBatches, cursor: int, skips: list[tuple[int, int]]
+    accelerator, model, batcher: StageBatches, cursor: int, skips: list[tuple[int, int]], inputs: Inputs = plain_inputs
 ) -> tuple[list[int], list[float]]:
     """The global sample indices of the step that started at `cursor`, and each sample's mean token loss (gathered
     over ranks: rank order is sample order)."""
@@ -65,8 +64,9 @@ def sample_losses(
     batches, _, _ = batcher.step_batches(cursor, accelerator.process_index, accelerator.num_processes, skips)
     mine = []
     for mb in batches:
-        mb = mb.to(accelerator.device)
-        logits = model(input_ids=mb, use_cache=False).logits.float()
-        per_tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), mb[:, 1:], reduction="none")
-        mine.append(per_tok.mean(dim=1))
+        x = inputs(mb.to(accelerator.device))
+        labels = x.pop("labels")[:, 1:]
+        logits = model(**x, use_cache=False).logits.float()
+        per_tok = F.cross_entropy(logits[:, :-1].transpose(1, 2), labels, reduction="none", ignore_index=-100)
+        mine.append(per_tok.sum(dim=1) / (labels != -100).sum(dim=1).clamp(min=1))
     return idx, accelerator.gather(torch.cat(mine)).tolist()

@@ -99,6 +99,9 @@ class DataSection(Section):
     """Fraction of each source's documents held out for validation (at least one document)."""
     cache_dir: str = ".cache/pretrainer"
     """Tokenized data and trained tokenizers are cached here, keyed by content."""
+    document_masking: bool = False
+    """Attention stays within each packed document and positions restart per document (`masking.py`); flash
+    attention takes it without a mask, sdpa/eager with a [B, 1, T, T] one."""
     inline_max_mb: float = Field(default=512, ge=0)
     """A local source not prepared by `prepare_data.py` is tokenized inside the run only up to this size."""
 

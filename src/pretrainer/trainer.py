@@ -22,15 +22,9 @@ from .faults import StepFaults, kill_point
 from .gns import NoiseScale
 from .health import HealthMonitor
 from .lint import lint
+from .masking import model_inputs
 from .meters import LossStats, StepWindow, mfu, peak_tflops, train_record
-from .model import (
-    StageRope,
-    build_config,
-    build_model,
-    count_params,
-    flops_per_token,
-    non_embedding_params,  # fmt: skip
-)
+from .model import StageRope, build_config, build_model, count_params, flops_per_token, non_embedding_params
 from .preemption import Preempted, PreemptFlag
 from .recipe import flatten, recipe_dict, recipe_hash
 from .recovery import SpikeHandler, resume_run
@@ -97,6 +91,8 @@ class Trainer:
     def _build_parts(self) -> None:
         recipe, acc = self.recipe, self.accelerator
         self.state, self.loss_stats = RunState(), LossStats()
+        attn = acc.unwrap_model(self.model).config._attn_implementation
+        self.inputs = model_inputs(recipe.data.document_masking, self.tokenizer.eos_token_id, attn)
         # The noise scale needs one micro batch's own gradient: not available when DeepSpeed/FSDP shard gradients,
         # nor when a step is a single micro batch on a single process.
         plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
@@ -113,16 +109,17 @@ class Trainer:
         if recipe.spikes.enabled:
 
             def losses(stage, cursor, skips):  # a past step's per-sample losses, for blame
-                return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips)
+                return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips, self.inputs)
 
             self.spikes = SpikeHandler(recipe.spikes, self.state, self.ckpt, losses, self.log,
                                        partial(alert, acc, recipe.logging.report_to), self.output_dir,
                                        acc.is_main_process)  # fmt: skip
             parts["spikes"] = self.spikes  # the manager holds `parts`: the handler is saved with the rest
-        self.evaluate = Evaluator(acc, self.model, self.sources, used_sources(recipe), recipe.eval.max_batches)
+        ev = recipe.eval
+        self.evaluate = Evaluator(acc, self.model, self.sources, used_sources(recipe), ev.max_batches, self.inputs)
         faults = StepFaults(recipe.debug.inject, self.log)
         self.runner = StepRunner(acc, self.model, self.optimizer, self.scheduler, self.plan.max_grad_norm, faults,
-                                 self.log, guard=self.spikes is not None)  # fmt: skip
+                                 self.log, guard=self.spikes is not None, inputs=self.inputs)  # fmt: skip
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
             self.log.observers.append(self.health)
