@@ -66,3 +66,42 @@ def test_stage_rope_changes_rotary_buffers():
     params = apply_stage_rope(model, RopeSection(yarn={"factor": 4, "original_max_position_embeddings": 64}), 256)
     assert params["rope_type"] == "yarn" and params["rope_theta"] == 500000.0 and params["factor"] == 4
     assert model.model.rotary_emb.attention_scaling > 1.0
+
+
+def _llama(**section):
+    cfg = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32}  # fmt: skip
+    s = ModelSection(config=cfg, **section)
+    torch.manual_seed(0)
+    return build_model(s, build_config(s, vocab_size=64))
+
+
+@pytest.mark.parametrize("every,expected", [(True, [0, 1, 2, 3]), (2, [0, 2]), (3, [0, 3])])
+def test_selective_activation_checkpointing_recomputes_only_those_layers(every, expected):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    plain, ckpt = _llama(), _llama(gradient_checkpointing=every)
+    layers = [m for m in ckpt.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert [i for i, m in enumerate(layers) if m.gradient_checkpointing] == expected
+    calls = [0] * len(layers)
+    for i, m in enumerate(layers):
+        m.mlp.register_forward_pre_hook(
+            lambda *_, i=i: calls.__setitem__(i, calls[i] + 1)
+        )  # pre: recompute stops early
+    x = torch.randint(0, 64, (2, 16))
+    for m in (plain, ckpt):
+        m.train()
+        m(input_ids=x, labels=x).loss.backward()
+    assert [i for i, c in enumerate(calls) if c == 2] == expected  # forward run again in backward: checkpointed
+    for (n, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), n  # the same gradients, only recomputed
+
+
+def test_kernel_and_checkpointing_switches_are_validated():
+    with pytest.raises(ValueError, match="layer interval >= 1"):
+        ModelSection(config={"model_type": "llama"}, gradient_checkpointing=0)
+    with pytest.raises(ValueError):
+        ModelSection(config={"model_type": "llama"}, kernels="triton")
+    if not torch.cuda.is_available():
+        with pytest.raises(RecipeError, match="model.kernels: liger needs an NVIDIA GPU"):
+            _llama(kernels="liger")

@@ -52,10 +52,34 @@ def build_model(section: ModelSection, config: PretrainedConfig, meta: bool = Fa
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     except (ValueError, ImportError) as e:
         raise RecipeError(f"model.attn_implementation: {e}") from None
-    if section.gradient_checkpointing and not meta:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
+    if section.gradient_checkpointing is not False and not meta:
+        checkpoint_layers(model, 1 if section.gradient_checkpointing is True else section.gradient_checkpointing)
+    if section.kernels == "liger" and not meta:
+        apply_liger(model)
     return model
+
+
+def checkpoint_layers(model: PreTrainedModel, every: int) -> list[int]:
+    """Activation checkpointing on decoder layers 0, every, 2*every, ...; returns their indices."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0  # HF enabled all; the others keep their activations
+    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def apply_liger(model: PreTrainedModel) -> None:
+    """liger-kernel's fused kernels for this model type, as the HF Trainer's `use_liger_kernel` applies them."""
+    if not torch.cuda.is_available():
+        raise RecipeError("model.kernels: liger needs an NVIDIA GPU (its kernels are Triton); this machine has none")
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        raise RecipeError("model.kernels: liger needs liger-kernel (pip install liger-kernel)") from None
+    _apply_liger_kernel_to_instance(model=model)
 
 
 def count_params(model: torch.nn.Module, trainable_only: bool = False) -> int:

@@ -32,11 +32,23 @@ class ModelSection(Section):
     """Std of the normal init of linear and embedding weights (sets `initializer_range`)."""
     attn_implementation: str = "sdpa"
     """`sdpa` (default), `eager`, or `flash_attention_2` where installed."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | int = False
+    """Recompute activations in the backward pass: `true` for every decoder layer, an integer k for every k-th
+    (layers 0, k, 2k, ...: selective, trading less memory saved for less recompute)."""
+    kernels: Literal["none", "liger"] = "none"
+    """`liger`: liger-kernel's fused RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the logits are never
+    materialised) patched into the HF model; needs an NVIDIA GPU and `pip install liger-kernel`."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     trust_remote_code: bool = False
     """Only needed for hub model types that transformers does not ship; off unless asked for."""
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _every_k(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"must be true, false or a layer interval >= 1 (got {v})")
+        return v
 
     @field_validator("config")
     @classmethod
