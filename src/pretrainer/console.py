@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import list_checkpoints
+from .engine import fp8_capable
 from .lint import lint
 from .recipe import dump_recipe
 
@@ -16,7 +17,7 @@ def announce(recipe, output_dir: Path, available: dict[str, int]) -> None:
     """Write the resolved recipe into the run directory and warn about the linter's findings (`available`: training
     tokens per source, for the repetition check)."""
     dump_recipe(recipe, Path(output_dir) / "recipe.resolved.yaml")
-    for f in lint(recipe, available):
+    for f in lint(recipe, available, fp8_capable()):
         print(f"warning: {f}", file=sys.stderr)
 
 

@@ -23,8 +23,31 @@ from .sections import Recipe
 from .tracking import tracker_setup
 
 
+def fp8_capable() -> bool:
+    """An NVIDIA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_kwargs() -> list:
+    """fp8 through Accelerate: torchao's float8 training where installed, else Accelerate's default backend
+    (TransformerEngine or MS-AMP), which names what is missing."""
+    if not fp8_capable():
+        where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+        raise PretrainerError(
+            f"precision.mixed: fp8 needs an NVIDIA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+            f"Blackwell); this machine has {where}. Use bf16 here"
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return []
+    from accelerate.utils import AORecipeKwargs
+
+    return [AORecipeKwargs()]
+
+
 def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator:
-    kwargs = []
+    kwargs = fp8_kwargs() if recipe.precision.mixed == "fp8" else []
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Without this every CPU rank would believe it is rank 0 of 1 (the default backend is nccl).
         kwargs.append(InitProcessGroupKwargs(backend="gloo"))

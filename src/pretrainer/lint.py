@@ -221,12 +221,28 @@ def _repetition_rules(recipe: Recipe, available: dict[str, int]) -> list[Finding
     return out
 
 
-def lint(recipe: Recipe, available: dict[str, int] | None = None) -> list[Finding]:
+def _hardware_rules(recipe: Recipe, fp8_capable: bool | None) -> list[Finding]:
+    if recipe.precision.mixed == "fp8" and fp8_capable is False:
+        return [Finding(
+            "PT015", "precision.mixed",
+            "fp8 is asked for, but this machine has no GPU with fp8 tensor cores (compute capability 8.9+: Ada, "
+            "Hopper, Blackwell): the run will stop at start.",
+            "use bf16 here; keep fp8 for the GPUs that have it.",
+        )]  # fmt: skip
+    return []
+
+
+def lint(recipe: Recipe, available: dict[str, int] | None = None, fp8_capable: bool | None = None) -> list[Finding]:
     """All findings for a recipe; an empty list is a clean bill.
 
     Args:
         available: training tokens per prepared source (the manifests'); sources not in it are not judged for
             repetition (their size is unknown until they are prepared).
+        fp8_capable: whether the machine that runs it has fp8 tensor cores (None: unknown, not judged).
     """
     rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules)
-    return [f for rule in rules for f in rule(recipe)] + _repetition_rules(recipe, available or {})
+    return [
+        *(f for rule in rules for f in rule(recipe)),
+        *_repetition_rules(recipe, available or {}),
+        *_hardware_rules(recipe, fp8_capable),
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .engine import fp8_capable
 from .lint import drawn_tokens, lint
 from .model import build_config, build_model, count_params, flops_per_token, non_embedding_params
 from .schedules import lr_lambda
@@ -69,7 +70,7 @@ def summarize(
         "total_flops": total_flops,
         "stages": stages,
         "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
-        "findings": [f.to_dict() for f in lint(recipe, available)],
+        "findings": [f.to_dict() for f in lint(recipe, available, fp8_capable())],
     }
 
 
