@@ -1,73 +1,108 @@
-"""Tokens/s and MFU of the 1B recipe's model on one NVIDIA GPU, bf16 autocast, with and without torch.compile, at
-the recipe's micro batch and seq_len. Skips (exit 0) where no CUDA GPU is present.
+"""Tokens/s, MFU, peak memory and data wait of the real trainer (`run_recipe.py`, through `Trainer`), one run per
+variant, read from each run's own metrics.jsonl. Skips (exit 0) where no CUDA GPU is present, unless --cpu.
 
-    python scripts/bench_gpu.py recipes/1b_wsd.yaml --peak-tflops 989      # H100/H200 SXM dense bf16
+    python scripts/bench_gpu.py recipes/1b_wsd.yaml --steps 30 --peak-tflops 989     # H100/H200 SXM dense bf16
 
-MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6N + 12*L*H*Q*T (N: non-embedding parameters plus the LM
-head). The step is the trainer's: autocast forward, backward, clip at the recipe's norm, fused AdamW step.
+Variants: eager, compile (`model.compile`), liger (`model.kernels: liger`), compile+liger, masking
+(`data.document_masking`, with flash attention where flash-attn is installed), fp8 (`precision.mixed: fp8`, where the
+GPU has fp8 tensor cores). A variant that cannot run here (liger-kernel not installed...) is reported with its error,
+and the others go on.
+
+Offline by default: the recipe's sources become the local Python standard library and its tokenizer one trained on
+it (cached, the recipe's vocabulary size), one stage of --steps at the first stage's seq_len and micro batch; with
+--recipe-data the recipe's own (prepared) data is used. The first logged window (compilation, warm-up) is dropped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 from pretrainer.cli import run_main, script_parser
+
+VARIANTS = {
+    "eager": [],
+    "compile": ["model.compile=true"],
+    "liger": ["model.kernels=liger"],
+    "compile+liger": ["model.compile=true", "model.kernels=liger"],
+    "masking": ["data.document_masking=true"],
+    "fp8": ["precision.mixed=fp8"],
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = script_parser(__doc__, recipe="recipes/1b_wsd.yaml")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--steps", type=int, default=10, help="measured steps per variant")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per variant")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
+    p.add_argument("--recipe-data", action="store_true", help="use the recipe's own (prepared) data and tokenizer")
+    p.add_argument("--work-dir", type=Path, default=Path("runs/bench_gpu"))
+    p.add_argument("--timeout", type=int, default=900, help="seconds per variant")
+    p.add_argument("--cpu", action="store_true", help="run even without a GPU (a smoke test of the plumbing)")
     p.add_argument("--out", help="also write the JSON result here")
     return p.parse_args(argv)
 
 
-def measure(recipe, compiled: bool, steps: int, warmup: int, peak_tflops: float) -> dict:
-    import time
+def overrides(args, recipe) -> list[str]:
+    """The --set list every variant shares: one short stage, metrics every few steps, no periodic eval or saves."""
+    stage = recipe.stages[0]
+    seq_len = stage.seq_len
+    every = max(1, args.steps // 6)
+    out = [f"logging.every_steps={every}", f"logging.peak_tflops={args.peak_tflops}", "eval.every_steps=0",
+           "checkpoint.every_minutes=null", "checkpoint.at_stage_end=false", "spikes.enabled=false",
+           "logging.report_to=[]", "schedule.decay_stage=null", "schedule.warmup_steps=0"]  # fmt: skip
+    if args.recipe_data:
+        mixture = json.dumps(stage.mixture)
+    else:
+        vocab = recipe.model.config.get("vocab_size", 32000)
+        out += ["data.sources={stdlib: {type: python_stdlib, include: [\"**/*.py\"]}}", "tokenizer.path=null",
+                f"tokenizer.train={{vocab_size: {vocab}}}"]  # fmt: skip
+        mixture = "{stdlib: 1.0}"
+    out.append(f"stages=[{{name: bench, steps: {args.steps}, seq_len: {seq_len}, mixture: {mixture}}}]")
+    return out
 
-    import torch
 
-    from pretrainer.model import build_config, build_model, flops_per_token, non_embedding_params
-    from pretrainer.stages import stage_spans
+def summarize(run_dir: Path) -> dict:
+    """Medians over the logged windows after the first (warm-up, compilation)."""
+    from pretrainer.tracking import read_jsonl
 
-    span = stage_spans(recipe)[0]
-    config = build_config(recipe.model)
-    torch.manual_seed(0)
-    model = build_model(recipe.model, config).cuda()
-    n_non_emb = non_embedding_params(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.optimizer.lr, betas=recipe.optimizer.betas, fused=True)
-    fwd = torch.compile(model) if compiled else model
-    batch = torch.randint(0, config.vocab_size, (span.micro_batch_size, span.seq_len), device="cuda")
-    max_norm = recipe.clipping.max_grad_norm or float("inf")
+    rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "tokens_per_s" in m][1:]
+    if not rows:
+        return {"error": "no metrics after the first window (raise --steps)"}
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = fwd(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def med(key):
+        vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        return statistics.median(vals) if vals else None
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / steps
-    tokens = span.micro_batch_size * span.seq_len
-    fpt = flops_per_token(config, n_non_emb, span.seq_len)
-    tps = tokens / dt
-    result = {
-        "compiled": compiled, "micro_batch": span.micro_batch_size, "seq_len": span.seq_len, "step_s": dt,
-        "tokens_per_s": tps, "flops_per_token": fpt, "tflops": tps * fpt / 1e12, "mfu": tps * fpt / (peak_tflops * 1e12),
-        "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }  # fmt: skip
-    return result  # model and optimizer go out of scope here; main() frees their memory before the next variant
+    peak = [r["mem/peak_gb"] for r in rows if "mem/peak_gb" in r]
+    return {"tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "data_wait": med("data_wait"),
+            "peak_memory_gb": max(peak) if peak else None, "windows": len(rows)}  # fmt: skip
+
+
+def run_variant(args, name: str, shared: list[str]) -> dict:
+    out = args.work_dir / name.replace("+", "_")
+    extra = list(VARIANTS[name])
+    if name == "masking":
+        try:
+            import flash_attn  # noqa: F401
+
+            extra.append("model.attn_implementation=flash_attention_2")
+        except ImportError:
+            pass  # sdpa with a [B, 1, T, T] mask: measured as it is
+    cmd = [sys.executable, str(Path(__file__).with_name("run_recipe.py")), args.recipe, "--output-dir", str(out),
+           "--overwrite", *(x for s in [*shared, *args.overrides, *extra] for x in ("--set", s))]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"variant": name, "error": f"timed out after {args.timeout} s"}
+    if proc.returncode != 0:
+        lines = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        return {"variant": name, "error": (lines or [f"exit {proc.returncode}"])[-1][:300]}
+    return {"variant": name, "overrides": extra, **summarize(out)}
 
 
 def main(argv=None) -> int:
@@ -76,26 +111,35 @@ def main(argv=None) -> int:
     def run() -> int:
         import torch
 
-        if not torch.cuda.is_available():
-            print("bench_gpu: no CUDA GPU here; skipped")
-            return 0
+        from pretrainer.errors import PretrainerError
         from pretrainer.recipe import load_recipe
 
+        if not torch.cuda.is_available() and not args.cpu:
+            print("bench_gpu: no CUDA GPU here; skipped")
+            return 0
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        if unknown := [v for v in names if v not in VARIANTS]:
+            raise PretrainerError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
         recipe = load_recipe(args.recipe, args.overrides)
-        out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_tflops": args.peak_tflops,
-               "variants": [measure(recipe, False, args.steps, args.warmup, args.peak_tflops)]}  # fmt: skip
-        if not args.no_compile:
-            import gc
-
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            out["variants"].append(measure(recipe, True, args.steps, args.warmup + 2, args.peak_tflops))
+        shared = overrides(args, recipe)
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        out = {"gpu": gpu, "torch": torch.__version__, "peak_tflops": args.peak_tflops, "recipe": args.recipe,
+               "steps": args.steps, "variants": []}  # fmt: skip
+        for name in names:
+            result = run_variant(args, name, shared)
+            out["variants"].append(result)
+            print(json.dumps(result), flush=True)
         text = json.dumps(out, indent=1)
-        print(text)
         if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+            Path(args.out).write_text(text)
+        print("\n| variant | tokens/s | MFU | peak memory | data wait |\n|---|---|---|---|---|")
+        for v in out["variants"]:
+            if "error" in v:
+                print(f"| {v['variant']} | not run: {v['error']} | | | |")
+            else:
+                mfu = f"{v['mfu']:.1%}" if v["mfu"] is not None else "n/a"
+                mem = f"{v['peak_memory_gb']:.1f} GB" if v["peak_memory_gb"] is not None else "n/a"
+                print(f"| {v['variant']} | {v['tokens_per_s']:,.0f} | {mfu} | {mem} | {v['data_wait']:.1%} |")
         return 0
 
     return run_main(run, debug=args.debug)

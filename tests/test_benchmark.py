@@ -16,13 +16,22 @@ def test_bench_gpu_skips_without_cuda(capsys):
     assert "skipped" in capsys.readouterr().out
 
 
-@pytest.mark.gpu
-def test_bench_gpu_runs_small(capsys, tmp_path):
-    args = ["recipes/1b_wsd.yaml", "--steps", "2", "--warmup", "1", "--no-compile", "--out", str(tmp_path / "g.json"),
-            "--set", "model.config.num_hidden_layers=2"]  # fmt: skip
+def test_bench_gpu_runs_the_trainer_per_variant(tmp_path, cache_dir):
+    """On the CPU (--cpu) the plumbing runs as on a GPU: one real trainer run per variant, numbers from its own
+    metrics; a variant that cannot run here is reported with its error and the others go on."""
+    out = tmp_path / "g.json"
+    args = ["tests/fixtures/micro.yaml", "--cpu", "--recipe-data", "--steps", "12", "--peak-tflops", "1",
+            "--variants", "eager,masking,liger", "--work-dir", str(tmp_path / "runs"), "--out", str(out),
+            "--set", f"data.cache_dir={cache_dir}"]  # fmt: skip
     assert bench_gpu.main(args) == 0
-    v = json.loads((tmp_path / "g.json").read_text())["variants"][0]
-    assert v["tokens_per_s"] > 0 and 0 < v["mfu"] < 1
+    v = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
+    for name in ("eager", "masking"):
+        assert v[name]["tokens_per_s"] > 0 and 0 < v[name]["mfu"] < 1 and v[name]["windows"] >= 2, v[name]
+    assert v["masking"]["overrides"] == ["data.document_masking=true"]
+    if not torch.cuda.is_available():
+        assert "liger needs an NVIDIA GPU" in v["liger"]["error"]
+    resolved = (tmp_path / "runs" / "masking" / "recipe.resolved.yaml").read_text()
+    assert "document_masking: true" in resolved
 
 
 def test_benchmark_end_to_end_small(tmp_path, cache_dir, monkeypatch):
