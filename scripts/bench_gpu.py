@@ -24,13 +24,13 @@ from pathlib import Path
 
 from pretrainer.cli import run_main, script_parser
 
-VARIANTS = {
-    "eager": [],
+VARIANTS = {  # every variant says compile on or off: the GPU recipes compile by default
+    "eager": ["model.compile=false"],
     "compile": ["model.compile=true"],
-    "liger": ["model.kernels=liger"],
+    "liger": ["model.compile=false", "model.kernels=liger"],
     "compile+liger": ["model.compile=true", "model.kernels=liger"],
-    "masking": ["data.document_masking=true"],
-    "fp8": ["precision.mixed=fp8"],
+    "masking": ["model.compile=true", "data.document_masking=true"],
+    "fp8": ["model.compile=true", "precision.mixed=fp8"],
 }
 
 

@@ -27,7 +27,7 @@ def test_bench_gpu_runs_the_trainer_per_variant(tmp_path, cache_dir):
     v = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
     for name in ("eager", "masking"):
         assert v[name]["tokens_per_s"] > 0 and 0 < v[name]["mfu"] < 1 and v[name]["windows"] >= 2, v[name]
-    assert v["masking"]["overrides"] == ["data.document_masking=true"]
+    assert v["masking"]["overrides"] == ["model.compile=true", "data.document_masking=true"]
     if not torch.cuda.is_available():
         assert "liger needs an NVIDIA GPU" in v["liger"]["error"]
     resolved = (tmp_path / "runs" / "masking" / "recipe.resolved.yaml").read_text()

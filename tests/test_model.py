@@ -105,3 +105,13 @@ def test_kernel_and_checkpointing_switches_are_validated():
     if not torch.cuda.is_available():
         with pytest.raises(RecipeError, match="model.kernels: liger needs an NVIDIA GPU"):
             _llama(kernels="liger")
+
+
+def test_compile_is_per_decoder_layer_and_keeps_the_model_plain():
+    eager, compiled = _llama(), _llama(compile=True)
+    assert type(compiled).__name__ == "LlamaForCausalLM"  # no OptimizedModule wrapper for Accelerate to unwrap
+    layers = [m for m in compiled.model.layers]
+    assert all(m._compiled_call_impl is not None for m in layers)
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(eager(input_ids=x).logits, compiled(input_ids=x).logits, atol=1e-5)

@@ -56,19 +56,34 @@ def build_model(section: ModelSection, config: PretrainedConfig, meta: bool = Fa
         checkpoint_layers(model, 1 if section.gradient_checkpointing is True else section.gradient_checkpointing)
     if section.kernels == "liger" and not meta:
         apply_liger(model)
+    if section.compile and not meta:
+        compile_layers(model)
     return model
 
 
 def checkpoint_layers(model: PreTrainedModel, every: int) -> list[int]:
     """Activation checkpointing on decoder layers 0, every, 2*every, ...; returns their indices."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i % every == 0  # HF enabled all; the others keep their activations
     return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_layers(model: PreTrainedModel) -> int:
+    """torch.compile each decoder layer in place (as torchtitan does): one graph reused by every layer, so compile
+    time does not grow with depth, and the model stays a plain module for Accelerate, DeepSpeed and FSDP."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def apply_liger(model: PreTrainedModel) -> None:

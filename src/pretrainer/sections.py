@@ -39,7 +39,7 @@ class ModelSection(Section):
     """`liger`: liger-kernel's fused RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the logits are never
     materialised) patched into the HF model; needs an NVIDIA GPU and `pip install liger-kernel`."""
     compile: bool = False
-    """Wrap the model in torch.compile."""
+    """torch.compile each decoder layer (on in the GPU recipes; minutes of compile time on a CPU)."""
     trust_remote_code: bool = False
     """Only needed for hub model types that transformers does not ship; off unless asked for."""
 

@@ -80,8 +80,6 @@ class Trainer:
         self.fused = opt.fused if opt.fused is not None else True
         optimizer = torch.optim.AdamW(param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                       fused=self.fused or None)  # fmt: skip
-        if recipe.model.compile:
-            model = torch.compile(model)
         configure_deepspeed(acc, self.plan, self.grad_accum)
         self.model, self.optimizer = acc.prepare(model, optimizer)
         # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
