@@ -33,11 +33,9 @@ class ModelSection(Section):
     attn_implementation: str = "sdpa"
     """`sdpa` (default), `eager`, or `flash_attention_2` where installed."""
     gradient_checkpointing: bool | int = False
-    """Recompute activations in the backward pass: `true` for every decoder layer, an integer k for every k-th
-    (layers 0, k, 2k, ...: selective, trading less memory saved for less recompute)."""
+    """Recompute activations in backward: `true` for every decoder layer, k for layers 0, k, 2k, ... (selective)."""
     kernels: Literal["none", "liger"] = "none"
-    """`liger`: liger-kernel's fused RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the logits are never
-    materialised) patched into the HF model; needs an NVIDIA GPU and `pip install liger-kernel`."""
+    """`liger`: liger-kernel's fused RMSNorm, RoPE, SwiGLU, linear cross-entropy (NVIDIA GPU and liger-kernel)."""
     compile: bool = False
     """torch.compile each decoder layer (on in the GPU recipes; minutes of compile time on a CPU)."""
     trust_remote_code: bool = False
@@ -112,8 +110,7 @@ class DataSection(Section):
     cache_dir: str = ".cache/pretrainer"
     """Tokenized data and trained tokenizers are cached here, keyed by content."""
     document_masking: bool = False
-    """Attention stays within each packed document and positions restart per document (`masking.py`); flash
-    attention takes it without a mask, sdpa/eager with a [B, 1, T, T] one."""
+    """Attention and positions per packed document (`masking.py`: flash attention without a mask, sdpa with one)."""
     inline_max_mb: float = Field(default=512, ge=0)
     """A local source not prepared by `prepare_data.py` is tokenized inside the run only up to this size."""
 
@@ -243,12 +240,11 @@ class CheckpointSection(Section):
     keep_every_tokens: int | None = Field(default=None, ge=1)
     """Also keep the first checkpoint past each multiple of this many tokens (milestones, never pruned)."""
     async_: bool = Field(default=False, alias="async")
-    """Write in the background; the loop blocks only while the state is copied to host memory (single process and
-    DDP: a snapshot on the main process; FSDP: DCP's staging on every rank). DeepSpeed saves synchronously (its
-    asynchronous engines need libaio and commit inside the next optimizer step); every backend hashes per rank."""
+    """Write in the background, blocking only for the copy to host memory (single process/DDP: a snapshot on the main
+    process; FSDP: DCP's staging on every rank). DeepSpeed saves synchronously (README, "Background saves")."""
     remote: str | None = None
-    """An fsspec URL (s3://bucket/run, gs://..., file:///mnt/backup/run) that each verified checkpoint is copied to
-    in the background, with the same retention; `--resume auto` falls back to it when no local checkpoint is valid."""
+    """fsspec URL (s3://bucket/run, file:///mnt/backup) each verified checkpoint is copied to, in the background, with
+    the same retention; `--resume auto` falls back to it when no local checkpoint is valid."""
 
     @field_validator("keep_last")
     @classmethod

@@ -11,7 +11,6 @@ process group of their own, so they never interleave with the training loop's co
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .commit import Group
+from .writer import BackgroundWriter
 
 SUBDIR = "dcp"
 
@@ -89,8 +89,8 @@ class DcpCheckpointer:
         # Gloo for the background thread's collectives (DCP's planning, the manifest gather): a group of its own,
         # so they never race the loop's collectives on the default group (NCCL on GPUs).
         self.group = Group(dist.new_group(backend="gloo")) if dist.is_initialized() else Group()
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
+        self.writer = BackgroundWriter()
+        """The thread that waits for DCP's write, then commits."""
         self.stager = None
         """DCP's staging buffers, kept between saves: copying into warm (pinned, on a GPU) memory instead of fresh
         allocations is most of the blocking time (docs/BENCHMARKS.md). Safe to reuse: one save
@@ -116,24 +116,10 @@ class DcpCheckpointer:
             finish(self.group)
             return
         future = dcp.async_save(state, checkpoint_id=target, process_group=self.group.pg, async_stager=self._stager())
-
-        def run():
-            try:
-                future.result()
-                finish(self.group)
-            except BaseException as e:  # surfaced on the training thread by wait()
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name="dcp-commit", daemon=False)
-        self.thread.start()
+        self.writer.submit(lambda: (future.result(), finish(self.group)))
 
     def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
+        self.writer.wait()
 
     def load(self, model, optimizer, path: Path) -> None:
         """Load into the live (sharded) model and optimizer, whatever number of processes saved it."""
