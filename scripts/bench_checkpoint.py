@@ -56,6 +56,10 @@ def worker(args) -> None:
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     saver, root, out = DcpCheckpointer(), args.out / "checkpoints", {}
+    t0 = time.perf_counter()
+    finite = integrity.state_finite(model, opt)  # the live NaN/Inf check every save runs first
+    dist.all_reduce(finite)
+    out["finite_s"] = time.perf_counter() - t0
     for mode in ("sync", "async_first", "async"):  # the first async save allocates the staging buffers
         name = f"step_{mode}"
         tmp, final = root / f"{ck.TMP_PREFIX}{name}", root / name
@@ -110,16 +114,16 @@ def main(argv=None) -> int:
         shutil.rmtree(d / "checkpoints", ignore_errors=True)
     print(
         f"\n| model | params | checkpoint | sync save | async blocks (first save) | async/sync | verify, {args.procs} ranks | "
-        "verify, 1 process | sha256, 1 process (old) |"
+        "verify, 1 process | sha256, 1 process (old) | live finite check |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for spec, r in rows:
         gb = r["bytes"] / 1e9
         print(f"| {spec} | {r['params'] / 1e6:.0f}M | {gb:.2f} GB | {r['sync_total_s']:.2f} s ({r['sync_total_s'] / gb:.2f} s/GB) "
               f"| {r['async_blocked_s']:.3f} s ({r['async_first_blocked_s']:.3f} s) "
               f"| {r['async_blocked_s'] / r['sync_total_s']:.1%} "
               f"| {r['verify_world_s']:.3f} s ({r['verify_world_s'] / gb:.3f} s/GB) "
-              f"| {r['verify_one_s']:.3f} s | {r['sha256_one_s']:.2f} s |")  # fmt: skip
+              f"| {r['verify_one_s']:.3f} s | {r['sha256_one_s']:.2f} s | {r['finite_s'] * 1e3:.1f} ms |")  # fmt: skip
     return 0
 
 

@@ -69,3 +69,13 @@ def test_markdown_marks_missed_goals(tmp_path):
     write_markdown(r, tmp_path / "B.md")
     text = (tmp_path / "B.md").read_text()
     assert "1.200x | <= 1.03x | **missed**" in text and "0.900x | <= 1.00x | met" in text
+
+
+def test_bench_checkpoint_runs_one_small_size(tmp_path, capsys):
+    """The README's checkpoint benchmark command, at one tiny size: every column is measured."""
+    import bench_checkpoint
+
+    assert bench_checkpoint.main(["--sizes", "64x1", "--out", str(tmp_path)]) == 0
+    row = json.loads(next(x for x in capsys.readouterr().out.splitlines() if x.startswith("{")))
+    for key in ("sync_total_s", "async_blocked_s", "verify_world_s", "verify_one_s", "finite_s", "bytes"):
+        assert row[key] > 0, key

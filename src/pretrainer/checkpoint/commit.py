@@ -85,12 +85,11 @@ def commit(group: Group, tmp: Path, final: Path, meta: dict, extra_files: dict[s
 
 
 def verify(group: Group, path: Path, scan: bool = False) -> list[str]:
-    """Problems with a checkpoint, the same answer on every rank; each rank hashes only its share of the files
-    (O(checkpoint / world) per rank)."""
+    """Problems with a checkpoint, the same answer on every rank; each rank hashes (and, `scan`, reads back) only its
+    share of the files: O(checkpoint / world) per rank."""
     mine = ck.verify(path, scan=False, share=(group.rank, group.world))
     problems = sorted({p for ps in group.everyone(mine) for p in ps})
-    if scan and not problems and group.rank == 0:
-        problems = integrity.scan_files(path)
-    if scan:
-        problems = group.everyone(problems)[0]
+    if scan and not problems:
+        share = integrity.shares(ck.list_files(path), group.world)[group.rank]
+        problems = sorted({p for ps in group.everyone(integrity.scan_files(path, set(share))) for p in ps})
     return problems

@@ -163,12 +163,17 @@ def _nonfinite(obj, where: str, out: list[str]) -> None:
 STATE_FILES = ("optimizer*.bin", "**/*optim_states.pt", "**/*model_states.pt", "pytorch_model_fsdp*/*.bin")
 
 
-def scan_files(directory: Path) -> list[str]:
+def scan_files(directory: Path, only: set[str] | None = None) -> list[str]:
     """The deep check: non-finite values in the saved weights and optimizer state, read from the files (Accelerate's,
-    DeepSpeed's shards, DCP shards). Memory-mapped and without executing code; one tensor at a
-    time is resident, never the checkpoint."""
+    DeepSpeed's shards, DCP shards). Memory-mapped and without executing code; one tensor at a time is resident,
+    never the checkpoint.
+
+    Args:
+        only: these files (relative paths; a rank's share), else all."""
     problems = []
     for f in sorted(directory.glob("model*.safetensors")):
+        if only is not None and str(f.relative_to(directory)) not in only:
+            continue
         with safe_open(str(f), framework="pt") as st:
             for k in st.keys():
                 t = st.get_tensor(k)
@@ -181,6 +186,8 @@ def scan_files(directory: Path) -> list[str]:
                 continue
             seen.add(f)
             rel = str(f.relative_to(directory))
+            if only is not None and rel not in only:
+                continue
             try:
                 with weights_only(rel):
                     state = torch.load(f, map_location="cpu", mmap=True)
@@ -188,11 +195,11 @@ def scan_files(directory: Path) -> list[str]:
                 problems.append(f"{rel}: unreadable ({type(e).__name__})")
                 continue
             _nonfinite(state, rel, problems)
-    problems += scan_dcp(directory)
+    problems += scan_dcp(directory, only)
     return problems
 
 
-def scan_dcp(directory: Path) -> list[str]:
+def scan_dcp(directory: Path, only: set[str] | None = None) -> list[str]:
     """The deep check for DCP shards: every stored tensor read back, one at a time, for NaN/Inf."""
     root = Path(directory) / "dcp"
     if not (root / ".metadata").exists():
@@ -205,6 +212,8 @@ def scan_dcp(directory: Path) -> list[str]:
     problems = []
     for index, info in meta.storage_data.items():
         if not isinstance(meta.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
+            continue
+        if only is not None and f"dcp/{info.relative_path}" not in only:
             continue
         with open(root / info.relative_path, "rb") as f:
             f.seek(info.offset)

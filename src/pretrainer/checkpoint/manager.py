@@ -214,7 +214,7 @@ class CheckpointManager:
             snap.write(tmp, 0)
         except Exception as e:
             self._fail(tmp, final.name, e)
-        self._commit(Group(), tmp, final, meta, t0, staged, solo=True)
+        self._commit(Group(alone=True), tmp, final, meta, t0, staged)  # the main process alone wrote it
 
     def _fail(self, tmp: Path, name: str, e: Exception):
         if self.acc.is_main_process:
@@ -224,15 +224,14 @@ class CheckpointManager:
             f"checkpoint {name} could not be written ({_why(e)}); earlier checkpoints in {self.root} are intact"
         ) from None
 
-    def _commit(self, group: Group, tmp: Path, final: Path, meta: dict, t0: float, staged: threading.Event | None,
-                solo: bool = False) -> None:  # fmt: skip
+    def _commit(self, group: Group, tmp: Path, final: Path, meta: dict, t0: float, staged: threading.Event | None):
         """Meta, extra files, per-rank hashes, manifest (last), rename; then the event and retention (rank 0).
 
         Args:
-            staged: set once the loop is free again (`last_blocked` known); None: the loop waited for all of it.
-            solo: one writer (the main process's background thread): it hashes everything itself."""
+            group: the ranks that wrote it (one process: the main process's background writer).
+            staged: set once the loop is free again (`last_blocked` known); None: the loop waited for all of it."""
         try:
-            nbytes = commit.commit(Group(alone=True) if solo else group, tmp, final, meta, self.extra_files)
+            nbytes = commit.commit(group, tmp, final, meta, self.extra_files)
         except Exception as e:
             self._fail(tmp, final.name, e)
         if not self.acc.is_main_process:
