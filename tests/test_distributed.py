@@ -29,8 +29,11 @@ def launch(config: str, out: Path, cache_dir: Path, *extra: str, processes: int 
 
 @pytest.mark.distributed
 def test_zero3_two_processes(tmp_path, cache_dir):
+    """Also lm-eval in the loop: ZeRO-3 shards gathered onto the main process, scored there, the same as the
+    exported model scores in a process of its own."""
     out = tmp_path / "z3"
-    proc = launch("zero3.yaml", out, cache_dir)
+    lm_eval = "eval.lm_eval={tasks: [heldout_python_bpb], include_path: eval_tasks, limit: 8}"
+    proc = launch("zero3.yaml", out, cache_dir, "--set", lm_eval)
     assert proc.returncode == 0, proc.stderr[-4000:]
     start = read_jsonl(out / "events.jsonl")[0]
     assert start["event"] == "run_start" and start["world"] == 2  # accelerator.num_processes == 2
@@ -40,6 +43,16 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     assert val[-1] < val[0] - 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # gathered from ZeRO-3 shards
     assert sum(p.numel() for p in model.parameters()) > 0
+    bpb = [m["eval/heldout_python_bpb/bits_per_byte"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m
+           and "eval/heldout_python_bpb/bits_per_byte" in m]  # fmt: skip
+    assert len(bpb) == 2 and bpb[1] < bpb[0]  # at step 0 (untrained) and at the end
+    offline = subprocess.run([sys.executable, "scripts/eval_checkpoint.py", str(out / "final"), "--tasks",
+                              "heldout_python_bpb", "--include-path", "eval_tasks", "--limit", "8", "--json"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    assert json.loads(offline.stdout)["scores"]["eval/heldout_python_bpb/bits_per_byte"] == pytest.approx(
+        bpb[1], abs=1e-4
+    )
 
 
 CKPT = ["--set", "checkpoint.every_tokens=8192", "--set", "eval.every_steps=0"]

@@ -8,6 +8,7 @@ happened, the trend is healthy now), `healthy`. Trends use medians over windows,
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 
 from . import checkpoint as ck
+from .context import context_verdict
 from .spikes import spike_episodes
 from .tracking import read_jsonl
 
@@ -57,6 +59,12 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
         "recipe": recipe,
         "last_write": mtime,
     }
+
+
+def val_of(m: dict) -> Any:
+    """An eval line's comparable validation loss: `val/ref` (one fixed context and batches for the whole run), or
+    `val/avg` in runs from before it existed."""
+    return m.get("val/ref", m.get("val/avg"))
 
 
 def as_float(v: Any) -> float:
@@ -138,12 +146,12 @@ class HealthMonitor:
         if output_dir is not None:
             run = load_run(output_dir)
             self.losses.update(run["losses"])
-            self.val.update((m["step"], m.get("val/avg")) for m in run["evals"])
+            self.val.update((m["step"], val_of(m)) for m in run["evals"])
             self.incidents = [e for e in run["events"] if e["event"] in ("spike", "rollback")]
 
     def on_metrics(self, step: int, values: dict[str, Any]) -> None:
         if "val/avg" in values:
-            self.val[step] = values["val/avg"]
+            self.val[step] = val_of(values)
         elif "loss" in values:
             # a step logged again after a rollback replaces the earlier value, as in load_run
             self.losses.update((s, v) for s, v in values.get("step_losses") or [(step, values["loss"])])
@@ -180,7 +188,7 @@ def _stage_summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
-    """The train/validation gap at the first and last eval, and its trend."""
+    """The train/validation gap at the first and last eval (validation: `val/ref`), and its trend."""
     losses = dict(run["losses"])
     gaps = []
     for m in run["evals"]:
@@ -190,7 +198,7 @@ def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
             if s in losses and math.isfinite(as_float(losses[s]))
         ]
         if near and m["step"] > 0:
-            gaps.append((m["step"], as_float(m["val/avg"]) - statistics.median(near)))
+            gaps.append((m["step"], as_float(val_of(m)) - statistics.median(near)))
     if not gaps:
         return None
     trend = gaps[-1][1] - gaps[0][1]
@@ -224,7 +232,7 @@ def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoin
     events = run["events"]
     finished = any(e["event"] == "run_end" for e in events)
     idle = time.time() - run["last_write"] if run["last_write"] else None
-    val = [(m["step"], m.get("val/avg")) for m in run["evals"]]
+    val = [(m["step"], val_of(m)) for m in run["evals"]]
     warmup = (((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0
     grace_at = [warmup] + [e["step"] for e in events if e["event"] == "stage_start" and e["step"] > 0]
     episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_at)
@@ -255,7 +263,35 @@ def report(output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoin
 
     if gns := _gns_summary(run):
         out["gns"] = gns
+    if context := _context(run):
+        out["context"] = context
+    if downstream := _downstream(run):
+        out["downstream"] = downstream
     return out
+
+
+def _context(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest loss-by-position measurement, judged against the window `final/config.json` advertises (the
+    window of the measurement while the run has no `final/`)."""
+    found = [e for e in run["events"] if e["event"] == "context"]
+    if not found:
+        return None
+    last = found[-1]
+    if not last.get("buckets"):
+        return {"step": last["step"], "verdict": last["verdict"]}
+    config = run["dir"] / "final" / "config.json"
+    advertised = json.loads(config.read_text())["max_position_embeddings"] if config.exists() else last["window"]
+    return {"step": last["step"], "buckets": last["buckets"], **context_verdict(last["buckets"], advertised)}
+
+
+def _downstream(run: dict[str, Any]) -> dict[str, dict] | None:
+    """Each lm-eval score at its first and latest eval (the first is the untrained baseline when scored at step 0)."""
+    out: dict[str, dict] = {}
+    for m in run["evals"]:
+        for k, v in m.items():
+            if k.startswith("eval/") and k != "eval/seconds" and "_stderr" not in k:
+                out.setdefault(k[5:], {"first_step": m["step"], "first": v}).update(last_step=m["step"], last=v)
+    return out or None
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -284,4 +320,14 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"latest verified checkpoint: {c['path']} (step {c['step']})" if c else "no verified checkpoint")
     if "gns" in r:
         lines.append(r["gns"]["summary"])
+    if "context" in r:
+        c = r["context"]
+        lines.append(f"context (step {c['step']:,}): {c['verdict']}")
+        if c.get("buckets"):
+            lines.append(
+                "  loss by position: " + ", ".join(f"{b['lo']}-{b['hi']} {b['loss']:.3f}" for b in c["buckets"])
+            )
+    for name, d in (r.get("downstream") or {}).items():
+        lines.append(f"downstream {name}: {d['first']:.4g} (step {d['first_step']:,}) -> {d['last']:.4g} "
+                     f"(step {d['last_step']:,})")  # fmt: skip
     return "\n".join(lines)

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from .eval_sections import EvalSection, Section
 from .plan import RunPlan, build_plan
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RunSection(Section):
@@ -299,13 +296,6 @@ class DebugSection(Section):
     inject: InjectSection = Field(default_factory=InjectSection)
 
 
-class EvalSection(Section):
-    every_steps: int = Field(default=100, ge=0)
-    """0 disables periodic evaluation (the final evaluation still runs)."""
-    max_batches: int = Field(default=8, ge=1)
-    """Validation micro batches per source."""
-
-
 class LoggingSection(Section):
     every_steps: int = Field(default=10, ge=1)
     report_to: list[Literal["wandb", "tensorboard"]] = Field(default_factory=lambda: ["wandb", "tensorboard"])
@@ -383,6 +373,9 @@ class Recipe(Section):
                 else f"the WSD decay, which starts at step {plan.decay_start} of {plan.total_steps}"
             )
             raise ValueError(f"schedule.warmup_steps: warmup ({warm}) runs into {into}")
+        for src in self.eval.context.sources or []:
+            if src not in self.data.sources:
+                raise ValueError(f"eval.context.sources: {src!r} is not defined in data.sources")
         if self.tokenizer.train and self.tokenizer.train.sources:
             for src in self.tokenizer.train.sources:
                 if src not in self.data.sources:

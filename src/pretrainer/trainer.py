@@ -14,9 +14,10 @@ from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointManager, Restored
 from .console import announce, end_block, start_block
-from .data.pipeline import StageBatches, get_tokenizer, load_sources, used_sources
+from .data.pipeline import StageBatches, get_tokenizer, load_sources
+from .downstream import Downstream
 from .engine import StepRunner, configure_deepspeed, make_accelerator, param_groups
-from .evaluation import Evaluator, sample_losses
+from .evaluation import Evaluator, eval_due, sample_losses
 from .export import save_final
 from .faults import StepFaults, kill_point
 from .gns import NoiseScale
@@ -113,8 +114,8 @@ class Trainer:
                                        partial(alert, acc, recipe.logging.report_to), self.output_dir,
                                        acc.is_main_process)  # fmt: skip
             parts["spikes"] = self.spikes  # the manager holds `parts`: the handler is saved with the rest
-        ev = recipe.eval
-        self.evaluate = Evaluator(acc, self.model, self.sources, used_sources(recipe), ev.max_batches, self.inputs)
+        self.evaluate = Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs)
+        self.downstream = Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps)
         faults = StepFaults(recipe.debug.inject, self.log)
         self.runner = StepRunner(acc, self.model, self.optimizer, self.scheduler, self.plan.max_grad_norm, faults,
                                  self.log, guard=self.spikes is not None, inputs=self.inputs)  # fmt: skip
@@ -179,7 +180,7 @@ class Trainer:
         if recipe.eval.every_steps and restored is None:
             # The baseline at initialisation: every later validation loss is read against it.
             first = self.spans[0]
-            vals = self.evaluate(first.seq_len, first.micro_batch_size)
+            vals = {**self.evaluate(first.seq_len, first.micro_batch_size), **self.downstream(0)}
             self.log.metrics(0, {"tokens": 0, "stage": first.name, **vals})
         if self.preempt.check(acc, log_step=True):  # stopped before training began: the last checkpoint stands
             raise Preempted("preempted before the first step; nothing new to save; continue with --resume auto")
@@ -247,9 +248,9 @@ class Trainer:
             self.last = self._log_train()
             self.bar.set_postfix(loss=f"{self.last['loss']:.3f}", lr=f"{self.lr:.2e}",
                                  tok_s=f"{self.last['tokens_per_s']:.0f}")  # fmt: skip
-        eval_every = self.recipe.eval.every_steps
-        if (eval_every and st.step % eval_every == 0) or st.step == self.total_steps:
-            self._eval()
+        now, context = eval_due(self.recipe, st.step, span)
+        if now:
+            self._eval(context)
         if reason or st.step == self.total_steps:
             self.ckpt.save(reason or "end")
             self.window.reset_clock()
@@ -278,10 +279,12 @@ class Trainer:
         self.log.metrics(st.step, record)
         return record
 
-    def _eval(self) -> None:
+    def _eval(self, context: bool) -> None:  # held-out losses (+ loss by position) and downstream scores
         st, span = self.state, self.span
-        vals = self.evaluate(span.seq_len, span.micro_batch_size)
+        vals = {**self.evaluate(span.seq_len, span.micro_batch_size, context), **self.downstream(st.step)}
         self.log.metrics(st.step, {"tokens": st.tokens, "stage": span.name, **vals})
+        if self.evaluate.context is not None:
+            self.log.event("context", st.step, **self.evaluate.context)
         self.last.update(vals)
         if self.health is not None:  # the same verdict as check_run.py, on what is logged so far
             verdict, reasons = self.health.verdict()

@@ -42,21 +42,28 @@ def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
     }
 
     def corpus():
-        # Learn from training documents only (the same split as `prepare.SplitTokenizer`): held-out documents
-        # stay unseen by everything. Streamed: a source never sits whole in memory.
+        # Learn from training documents only: held-out documents stay unseen by everything.
         limit = section.train.max_documents
         count = 0
         for n in names:
-            first_file = source_files(n, recipe.data.sources[n]).paths[0]
-            for i, doc in enumerate(iter_documents(n, recipe.data.sources[n])):
-                first = i == 0 and doc.metadata.get("file") == first_file
-                if not in_validation(doc.id, first, recipe.data.validation_fraction):
-                    yield doc.text
-                    count += 1
-                    if limit and count >= limit:
-                        return
+            for text in split_texts(recipe, n, validation=False):
+                yield text
+                count += 1
+                if limit and count >= limit:
+                    return
 
     return trained_tokenizer(section, json.dumps(keys, sort_keys=True), corpus, recipe.data.cache_dir)
+
+
+def split_texts(recipe: Recipe, name: str, validation: bool):
+    """The text of a source's training (or held-out) documents, in file order: the split of `prepare.SplitTokenizer`.
+    Streamed: a source never sits whole in memory."""
+    src = recipe.data.sources[name]
+    first_file = source_files(name, src).paths[0]
+    for i, doc in enumerate(iter_documents(name, src)):
+        first = i == 0 and doc.metadata.get("file") == first_file
+        if in_validation(doc.id, first, recipe.data.validation_fraction) == validation:
+            yield doc.text
 
 
 @dataclass

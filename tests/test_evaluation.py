@@ -1,0 +1,171 @@
+"""Evaluation beyond the stage's own loss: loss by position and the context verdict, the fixed reference loss
+`val/ref`, and downstream scores through lm-evaluation-harness (a local task, offline)."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import ROOT
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pretrainer.context import context_verdict, position_buckets, position_table
+
+
+def test_position_buckets_double_and_cover_the_window():
+    assert position_buckets(1024) == [(0, 256), (256, 512), (512, 1024)]
+    assert position_buckets(8192)[-1] == (4096, 8192) and len(position_buckets(8192)) == 6
+    assert position_buckets(256) == [(0, 64), (64, 128), (128, 256)]  # a small window still gets buckets
+    assert position_buckets(1000)[-1] == (512, 1000)  # the last bucket ends at the window
+    for w in (64, 300, 4096, 131072):
+        b = position_buckets(w)
+        assert b[0][0] == 0 and b[-1][1] == w and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+
+
+def row(lo, hi, loss, se=0.01):
+    return {"lo": lo, "hi": hi, "loss": loss, "se": se, "docs": 16}
+
+
+def test_context_verdict_reads_falling_flat_and_rising_curves():
+    falling = [row(0, 256, 3.0), row(256, 512, 2.8), row(512, 1024, 2.79)]
+    assert (
+        context_verdict(falling, 1024)["verdict"] == "context window earned: loss falls or holds flat to 1,024 tokens"
+    )
+    rising = [row(0, 256, 3.0), row(256, 512, 2.9), row(512, 1024, 3.4)]
+    v = context_verdict(rising, 1024)
+    assert (v["earned"], v["rises_at"]) == (512, 512) and v["verdict"] == "advertised 1,024 but loss rises past 512"
+    noisy = [row(0, 256, 3.0, se=0.3), row(256, 512, 3.1, se=0.3)]  # within two standard errors: flat
+    assert context_verdict(noisy, 512)["earned"] == 512
+    short = [row(0, 256, 3.0), row(256, 512, 2.9)]  # measured to 512, advertised 1024: not earned
+    assert context_verdict(short, 1024)["verdict"] == "advertised 1,024 but loss rises past 512"
+    assert context_verdict([row(0, 256, 3.0), row(256, 512, math.nan)], 512)["earned"] == 256
+
+
+def copy_docs(n: int, length: int, gen: torch.Generator, period: int = 16, vocab: int = 64) -> torch.Tensor:
+    """A random 16-token phrase repeated: after the first period every token is predictable from the context."""
+    return torch.randint(0, vocab, (n, period), generator=gen).repeat(1, length // period)
+
+
+def trained_llama(seq_len: int) -> LlamaForCausalLM:
+    """A 2-layer RoPE Llama trained on the copy task at `seq_len`, advertising 256 positions."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, max_position_embeddings=256, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
+    for _ in range(300):
+        x = copy_docs(2048 // seq_len, seq_len, gen)  # the same tokens per step at any seq_len
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def test_a_model_trained_short_shows_rising_loss_past_its_context():
+    """The synthetic check: the same model and data, trained at 64 or at the advertised 256 positions."""
+    rows = list(copy_docs(16, 256, torch.Generator().manual_seed(99)).numpy())
+    buckets = position_buckets(256)
+    short = position_table(trained_llama(64), rows, buckets, "cpu")
+    v = context_verdict(short, 256)
+    assert v["verdict"] == "advertised 256 but loss rises past 64", short
+    assert short[-1]["loss"] > short[0]["loss"] + 1.0  # copying fails at positions it never trained on
+    full = position_table(trained_llama(256), rows, buckets, "cpu")
+    assert context_verdict(full, 256)["verdict"].startswith("context window earned"), full
+    assert full[-1]["loss"] < 0.1
+
+
+def test_val_ref_is_the_same_batches_whatever_the_stage(micro_recipe, cache_dir):
+    """`val/ref` is one (seq_len, micro batch) and one set of held-out batches for the whole run: evaluating at a
+    stage's longer context leaves it unchanged, while `val/avg` follows the stage."""
+    from accelerate import Accelerator
+
+    from pretrainer.data.pipeline import get_tokenizer, load_sources
+    from pretrainer.evaluation import Evaluator
+    from pretrainer.masking import plain_inputs
+    from pretrainer.model import build_config, build_model
+    from pretrainer.recipe import load_recipe
+
+    recipe = load_recipe(micro_recipe, [f"data.cache_dir={cache_dir}", "model.config.max_position_embeddings=256"])
+    tok = get_tokenizer(recipe)
+    sources = load_sources(recipe, tok)
+    torch.manual_seed(0)
+    model = build_model(recipe.model, build_config(recipe.model, vocab_size=len(tok)))
+    acc = Accelerator(cpu=True)
+    ev = Evaluator.for_recipe(acc, model, sources, recipe, plain_inputs)
+    assert ev.ref == (64, 4)  # the first stage's seq_len and micro batch
+    at_main, at_long = ev(64, 4), ev(256, 1, context=True)
+    assert at_main["val/ref"] == at_long["val/ref"] == at_main["val/avg"]
+    assert at_long["val/avg"] != at_long["val/ref"]
+    assert [k for k in at_long if k.startswith("val_pos/")] == ["val_pos/0-64", "val_pos/64-128", "val_pos/128-256"]
+    assert ev.context["window"] == 256 and ev.context["docs"] >= 1 and "verdict" in ev.context
+    assert ev(64, 4)["val/ref"] == at_main["val/ref"]  # the same batches again, not a fresh draw
+    assert ev.context is None  # a call without loss by position leaves no stale table
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, cache_dir):
+    """The tiny recipe as `make run` trains it (its lm-eval tasks are local: `eval_tasks/`, read from the repository
+    root like `make run` does)."""
+    import os
+
+    import run_recipe
+
+    out, cwd = tmp_path_factory.mktemp("tiny") / "run", os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert run_recipe.main(["recipes/tiny.yaml", "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
+                                "--set", "logging.report_to=[]"]) == 0  # fmt: skip
+    finally:
+        os.chdir(cwd)
+    return out
+
+
+def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
+    import check_run
+
+    from pretrainer.health import load_run
+
+    evals = load_run(tiny_run)["evals"]
+    assert [m["step"] for m in evals] == [0, 50, 100, 150, 180, 200, 220]  # every 50 steps and at each stage end
+    ref = [m["val/ref"] for m in evals]
+    assert ref[-1] < ref[0] - 2.0 and ref[-1] < ref[3]  # falls over the run, across the 1024-token long stage
+    long_eval = next(m for m in evals if m["step"] == 180)
+    assert long_eval["val/avg"] != long_eval["val/ref"]  # the long stage's own loss is at 1024 tokens, ref at 256
+    assert evals[-1]["val/ref"] == evals[-1]["val/avg"]  # the anneal runs at the reference seq_len again
+    events = [json.loads(x) for x in (tiny_run / "events.jsonl").read_text().splitlines()]
+    context = [e for e in events if e["event"] == "context"]
+    assert [e["step"] for e in context] == [180, 220]  # the long stage's eval and the end of the run
+    assert [(b["lo"], b["hi"]) for b in context[-1]["buckets"]] == [(0, 256), (256, 512), (512, 1024)]
+    assert context[-1]["docs"] == 16 and context[-1]["window"] == 1024
+    assert check_run.main([str(tiny_run), "--json", "--verify", "fast"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["context"]["advertised"] == 1024  # final/config.json after the RoPE stage
+    assert report["context"]["verdict"] == context[-1]["verdict"]
+    assert report["context"]["verdict"] in ("context window earned: loss falls or holds flat to 1,024 tokens",
+                                            f"advertised 1,024 but loss rises past {report['context']['earned']:,}")  # fmt: skip
+
+
+def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run, capsys):
+    import eval_checkpoint
+
+    from pretrainer.checkpoint import list_checkpoints
+    from pretrainer.health import load_run
+
+    evals = {m["step"]: m for m in load_run(tiny_run)["evals"]}
+    bpb = "eval/heldout_python_bpb/bits_per_byte"
+    untrained, trained = evals[0][bpb], evals[220][bpb]
+    assert trained < 0.8 * untrained, (untrained, trained)  # Python the run never saw, read 20%+ better
+    last = list_checkpoints(tiny_run / "checkpoints")[-1].path
+    assert last.name == "step_00000220"
+    args = [str(last), "--tasks", "heldout_python_bpb", "heldout_python_next_line", "--include-path",
+            str(ROOT / "eval_tasks"), "--json"]  # fmt: skip
+    assert eval_checkpoint.main(args) == 0
+    offline = json.loads(capsys.readouterr().out)["scores"]
+    for k, v in offline.items():
+        assert v == pytest.approx(evals[220][k], rel=1e-4, abs=1e-4), k
+    assert set(offline) == {k for k in evals[220] if k.startswith("eval/heldout")}
+    # loss by position from the exported model, tokenizing the run's held-out text again: the live table
+    assert eval_checkpoint.main([str(tiny_run / "final"), "--context", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)["context"]["buckets"]
+    live = [json.loads(x) for x in (tiny_run / "events.jsonl").read_text().splitlines() if '"context"' in x][-1]
+    assert [b["loss"] for b in table] == pytest.approx([b["loss"] for b in live["buckets"]], abs=1e-4)
