@@ -79,3 +79,11 @@ def test_bench_checkpoint_runs_one_small_size(tmp_path, capsys):
     row = json.loads(next(x for x in capsys.readouterr().out.splitlines() if x.startswith("{")))
     for key in ("sync_total_s", "async_blocked_s", "verify_world_s", "verify_one_s", "finite_s", "bytes"):
         assert row[key] > 0, key
+
+
+def test_bench_eval_measures_each_window_in_its_own_process(capsys):
+    import bench_eval
+
+    assert bench_eval.main(["--windows", "64,128", "--docs", "2", "--vocab", "256"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| window |") and [r.split("|")[1].strip() for r in table[2:]] == ["64", "128"]

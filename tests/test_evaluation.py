@@ -67,7 +67,9 @@ def test_a_model_trained_short_shows_rising_loss_past_its_context():
     buckets = position_buckets(256)
     short = position_table(trained_llama(64), rows, buckets, "cpu")
     v = context_verdict(short, 256)
-    assert v["verdict"] == "advertised 256 but loss rises past 64", short
+    # RoPE extrapolates a little past its trained length (64-128 rises in some runs, not in others: the training
+    # is not bit-stable across thread counts), never to 4x
+    assert v["earned"] in (64, 128) and v["verdict"] == f"advertised 256 but loss rises past {v['earned']}", short
     assert short[-1]["loss"] > short[0]["loss"] + 1.0  # copying fails at positions it never trained on
     full = position_table(trained_llama(256), rows, buckets, "cpu")
     assert context_verdict(full, 256)["verdict"].startswith("context window earned"), full

@@ -111,3 +111,13 @@ def test_fp8_on_hardware_without_it_is_flagged_and_refused(tmp_path, cache_dir, 
         assert run_recipe.main(argv) == 2
         assert "precision.mixed: fp8 needs an NVIDIA GPU with fp8 tensor cores" in capsys.readouterr().err
         assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_evaluation_findings_context_off_and_misaligned_downstream():
+    assert lint(load_recipe(TINY)) == []  # the shipped tiny recipe, lm-eval and all, is clean
+    off = lint(load_recipe(TINY, ["eval.context.enabled=false"]))
+    assert [f.id for f in off] == ["PT016"] and "1024 tokens" in off[0].message
+    lm = "eval.lm_eval={tasks: [heldout_python_bpb], include_path: eval_tasks, every_steps: 70}"
+    found = [f for f in lint(load_recipe(TINY, [lm])) if f.id == "PT017"]
+    assert len(found) == 1 and "e.g. 50" in found[0].fix
+    assert not [f for f in lint(load_recipe(TINY, [lm.replace("70", "100")])) if f.id == "PT017"]

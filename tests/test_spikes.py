@@ -203,6 +203,7 @@ def tiny(out, cache_dir, *extra):
             *TINY_ONE_STAGE, *extra]  # fmt: skip
 
 
+@pytest.mark.slow  # two 100-step tiny runs, ~270 s: in `make test-slow`, which CI runs too
 def test_default_settings_catch_a_poisoned_range_on_the_tiny_recipe(tmp_path, cache_dir):
     """The user's case: tiny recipe, default `spikes`, steps 66-69 (samples 2080..2207) poisoned, well after
     warmup (20) and grace (20). Detected, rolled back, recurs, the whole range is skipped, the run finishes."""

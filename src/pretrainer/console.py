@@ -11,6 +11,7 @@ from .checkpoint import list_checkpoints
 from .engine import fp8_capable
 from .lint import lint
 from .recipe import dump_recipe
+from .tracking import read_jsonl
 
 
 def announce(recipe, output_dir: Path, available: dict[str, int]) -> None:
@@ -46,8 +47,12 @@ def end_block(output_dir: Path, val: dict[int, Any], counts: dict[str, int], tra
         last = max(finite)
         best = min(finite, key=finite.get)
         lines.append(
-            f"validation loss: final {finite[last]:.4f} (step {last:,}), best {finite[best]:.4f} (step {best:,})"
+            f"validation loss (val/ref): final {finite[last]:.4f} (step {last:,}), best {finite[best]:.4f} "
+            f"(step {best:,})"
         )
+    context = [e for e in read_jsonl(Path(output_dir) / "events.jsonl") if e["event"] == "context"]
+    if context:
+        lines.append(f"context (step {context[-1]['step']:,}): {context[-1]['verdict']}")
     shown = ("spike", "rollback", "skip", "transient", "skipped_update", "resume")
     lines.append("incidents: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in shown))
     lines.append(f"checkpoints kept: {', '.join(checkpoints) or 'none'}")

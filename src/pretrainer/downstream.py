@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import random
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -159,7 +160,7 @@ class Downstream:
     def __call__(self, step: int) -> dict[str, float]:
         if not self.due(step):
             return {}
-        s, acc = self.section, self.acc
+        s, acc, t0 = self.section, self.acc, time.perf_counter()
         model = self._scored_model()
         scores = [None]
         if acc.is_main_process:
@@ -168,4 +169,5 @@ class Downstream:
         if acc.num_processes > 1:
             broadcast_object_list(scores, from_process=0)
         acc.wait_for_everyone()
-        return {k: v for k, v in scores[0].items() if math.isfinite(v)} if scores[0] else {}
+        out = {k: v for k, v in (scores[0] or {}).items() if math.isfinite(v)}
+        return {**out, "eval/lm_eval_seconds": time.perf_counter() - t0}

@@ -289,7 +289,7 @@ def _downstream(run: dict[str, Any]) -> dict[str, dict] | None:
     out: dict[str, dict] = {}
     for m in run["evals"]:
         for k, v in m.items():
-            if k.startswith("eval/") and k != "eval/seconds" and "_stderr" not in k:
+            if k.startswith("eval/") and k.count("/") >= 2 and "_stderr" not in k:  # eval/<task>/<metric>
                 out.setdefault(k[5:], {"first_step": m["step"], "first": v}).update(last_step=m["step"], last=v)
     return out or None
 
@@ -328,6 +328,6 @@ def format_report(r: dict[str, Any]) -> str:
                 "  loss by position: " + ", ".join(f"{b['lo']}-{b['hi']} {b['loss']:.3f}" for b in c["buckets"])
             )
     for name, d in (r.get("downstream") or {}).items():
-        lines.append(f"downstream {name}: {d['first']:.4g} (step {d['first_step']:,}) -> {d['last']:.4g} "
+        lines.append(f"downstream {name}: {d['first']:.5g} (step {d['first_step']:,}) -> {d['last']:.5g} "
                      f"(step {d['last_step']:,})")  # fmt: skip
     return "\n".join(lines)

@@ -88,7 +88,13 @@ def _context_rules(recipe: Recipe) -> list[Finding]:
                 "without a RoPE change: the rotary frequencies were fitted to the short context.",
                 "raise the base (rope: {theta: 500000}) or add YaRN scaling in this stage.",
             ))  # fmt: skip
-
+    if longest > base_ctx and not recipe.eval.context.enabled:
+        out.append(Finding(
+            "PT016", "eval.context.enabled",
+            f"the run trains up to {longest} tokens but loss by position is off: nothing measures whether the "
+            "long-context stage earned the window the model will advertise.",
+            "set eval.context.enabled: true (the default).",
+        ))  # fmt: skip
     return out
 
 
@@ -145,6 +151,14 @@ def _operations_rules(recipe: Recipe) -> list[Finding]:
             f"evaluate every ~1-5% of the run (e.g. every_steps: {max(1, total // 50)}).",
         ))  # fmt: skip
 
+    lm, every = recipe.eval.lm_eval, recipe.eval.every_steps
+    if lm is not None and lm.every_steps and (not every or lm.every_steps % every):
+        out.append(Finding(
+            "PT017", "eval.lm_eval.every_steps",
+            f"downstream scores are taken at evals only, and every {lm.every_steps} steps is not a multiple of "
+            f"eval.every_steps ({every}): they would come at the common multiples and at the end only.",
+            f"use a multiple of {every or 'eval.every_steps'} (e.g. {max(every, 1) * max(1, round(lm.every_steps / max(every, 1)))}).",
+        ))  # fmt: skip
     ck = recipe.checkpoint
     if ck.every_minutes is not None and ck.every_minutes > 60:
         out.append(Finding(
