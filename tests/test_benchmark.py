@@ -84,6 +84,11 @@ def test_bench_checkpoint_runs_one_small_size(tmp_path, capsys):
 def test_bench_eval_measures_each_window_in_its_own_process(capsys):
     import bench_eval
 
-    assert bench_eval.main(["--windows", "64,128", "--docs", "2", "--vocab", "256"]) == 0
+    assert (
+        bench_eval.main(["--windows", "64,128", "--docs", "2", "--vocab", "256", "--models", "64x1", "--limit", "2"])
+        == 0
+    )
     table = capsys.readouterr().out.splitlines()
-    assert table[0].startswith("| window |") and [r.split("|")[1].strip() for r in table[2:]] == ["64", "128"]
+    assert table[0].startswith("| window |") and [r.split("|")[1].strip() for r in table[2:4]] == ["64", "128"]
+    model = table[-1].split("|")  # the lm-eval row: a copy and a scoring were timed
+    assert model[1].strip() == "64x1" and float(model[5]) > 0 and model[6].strip() == "2"

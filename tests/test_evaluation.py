@@ -143,11 +143,11 @@ def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["context"]["advertised"] == 1024  # final/config.json after the RoPE stage
     assert report["context"]["verdict"] == context[-1]["verdict"]
-    assert report["context"]["verdict"] in ("context window earned: loss falls or holds flat to 1,024 tokens",
-                                            f"advertised 1,024 but loss rises past {report['context']['earned']:,}")  # fmt: skip
+    # the long stage (RoPE theta 1e5, 30 steps at 1024) earns the window: measured 5.57 / 5.13 / 5.03
+    assert report["context"]["verdict"] == "context window earned: loss falls or holds flat to 1,024 tokens"
 
 
-def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run, capsys):
+def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run, capsys, tmp_path):
     import eval_checkpoint
 
     from pretrainer.checkpoint import list_checkpoints
@@ -171,3 +171,28 @@ def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run
     table = json.loads(capsys.readouterr().out)["context"]["buckets"]
     live = [json.loads(x) for x in (tiny_run / "events.jsonl").read_text().splitlines() if '"context"' in x][-1]
     assert [b["loss"] for b in table] == pytest.approx([b["loss"] for b in live["buckets"]], abs=1e-4)
+    # another project's model would be measured on any long text: here, files written for the test
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.py").write_text("".join(f"def f{i}_{k}(x):\n    return x * {k} + {i}\n\n" for k in range(400)))
+    (docs / "short.txt").write_text("too short to count")
+    assert eval_checkpoint.main([str(tiny_run / "final"), "--context", "--text", str(docs), "--json"]) == 0
+    text = json.loads(capsys.readouterr().out)["context"]
+    assert text["docs"] == 3 and [(b["lo"], b["hi"]) for b in text["buckets"]] == [(0, 256), (256, 512), (512, 1024)]
+
+
+def test_heldout_task_builder_writes_well_formed_tasks(tmp_path):
+    """`eval_tasks/heldout_python/build.py --out DIR`: 96 documents and 96 questions of 8 context lines and four
+    distinct candidate lines (the committed files are left as they are)."""
+    import runpy
+
+    build = runpy.run_path(str(ROOT / "eval_tasks/heldout_python/build.py"))
+    assert build["main"](["--out", str(tmp_path)]) == 0
+    texts = [json.loads(x) for x in (tmp_path / "text.jsonl").read_text().splitlines()]
+    questions = [json.loads(x) for x in (tmp_path / "next_line.jsonl").read_text().splitlines()]
+    assert len(texts) == 96 and all(len(t["text"]) >= 1500 for t in texts)
+    assert len(questions) == 96
+    for q in questions:
+        assert len(q["choices"]) == 4 and len(set(q["choices"])) == 4 and q["context"].count("\n") == 8
+        assert 0 <= q["gold"] < 4

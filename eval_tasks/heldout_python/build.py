@@ -1,9 +1,11 @@
 """Freeze the held-out Python tasks' documents from this repository's own code, which no recipe trains on (the tiny
 recipe reads the Python standard library). Run once; the jsonl files are committed, so scores stay comparable.
 
-    python eval_tasks/heldout_python/build.py
+    python eval_tasks/heldout_python/build.py            # rewrites the committed files: scores change with them
+    python eval_tasks/heldout_python/build.py --out /tmp/x
 """
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -26,18 +28,22 @@ def chunks(text: str) -> list[str]:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=HERE, help="where text.jsonl and next_line.jsonl go")
+    out = p.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
     files = sorted(p for d in ("src/pretrainer", "scripts", "tests") for p in (ROOT / d).rglob("*.py"))
     pieces = [c for p in files for c in chunks(p.read_text())]
     rng = random.Random(0)
     rng.shuffle(pieces)
-    with open(HERE / "text.jsonl", "w") as f:
+    with open(out / "text.jsonl", "w") as f:
         for c in pieces[:DOCS]:
             f.write(json.dumps({"text": c}) + "\n")
     # next line: 8 lines of context, the true next line among 4 (3 lines from other pieces of similar length)
     rest = pieces[DOCS:]
     pool = [ln for c in rest for ln in c.splitlines() if len(ln.strip()) >= 16]
-    with open(HERE / "next_line.jsonl", "w") as f:
+    with open(out / "next_line.jsonl", "w") as f:
         n = 0
         for c in rest:
             lines = c.splitlines()
@@ -54,7 +60,8 @@ def main() -> None:
             f.write(json.dumps({"context": "\n".join(lines[i - 8 : i]) + "\n", "choices": choices,
                                 "gold": choices.index(gold)}) + "\n")  # fmt: skip
             n += 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

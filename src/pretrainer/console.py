@@ -11,7 +11,6 @@ from .checkpoint import list_checkpoints
 from .engine import fp8_capable
 from .lint import lint
 from .recipe import dump_recipe
-from .tracking import read_jsonl
 
 
 def announce(recipe, output_dir: Path, available: dict[str, int]) -> None:
@@ -39,7 +38,9 @@ def start_block(recipe, n_params: int, world: int, trackers: list[str], output_d
     return "\n".join(lines)
 
 
-def end_block(output_dir: Path, val: dict[int, Any], counts: dict[str, int], trackers: list[str]) -> str:
+def end_block(
+    output_dir: Path, val: dict[int, Any], counts: dict[str, int], trackers: list[str], context: dict | None = None
+) -> str:
     checkpoints = [c.path.name for c in list_checkpoints(Path(output_dir) / "checkpoints")]
     finite = {s: v for s, v in val.items() if isinstance(v, int | float)}
     lines = ["done."]
@@ -50,9 +51,8 @@ def end_block(output_dir: Path, val: dict[int, Any], counts: dict[str, int], tra
             f"validation loss (val/ref): final {finite[last]:.4f} (step {last:,}), best {finite[best]:.4f} "
             f"(step {best:,})"
         )
-    context = [e for e in read_jsonl(Path(output_dir) / "events.jsonl") if e["event"] == "context"]
-    if context:
-        lines.append(f"context (step {context[-1]['step']:,}): {context[-1]['verdict']}")
+    if context:  # the latest loss-by-position verdict
+        lines.append(f"context (step {context['step']:,}): {context['verdict']}")
     shown = ("spike", "rollback", "skip", "transient", "skipped_update", "resume")
     lines.append("incidents: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in shown))
     lines.append(f"checkpoints kept: {', '.join(checkpoints) or 'none'}")

@@ -93,18 +93,21 @@ def context_verdict(table: list[dict], advertised: int) -> dict:
     return {"advertised": advertised, "earned": earned, "rises_at": rises_at, "verdict": text}
 
 
+def round_robin(per_source: list[list], limit: int) -> list:
+    """The first item of every source, then the second of every source, ... until `limit` items."""
+    rows = [docs[k] for k in range(limit) for docs in per_source if k < len(docs)]
+    return rows[:limit]
+
+
 def long_rows(splits: dict[str, object], window: int, max_docs: int) -> list[np.ndarray]:
     """The first `window` tokens of held-out documents at least that long, taken round-robin over the sources (each
     source's documents in order) until `max_docs`. Reads only the chosen documents' tokens."""
     per_source = []
     for split in splits.values():
         offs = split.doc_offsets
-        starts = [int(a) for a, b in zip(offs[:-1], offs[1:]) if b - a >= window][:max_docs]
-        per_source.append([split.tokens[s : s + window] for s in starts])
-    rows = []
-    for k in range(max_docs):
-        rows += [docs[k] for docs in per_source if k < len(docs)]
-    return rows[:max_docs]
+        starts = offs[:-1][np.diff(offs) >= window][:max_docs]
+        per_source.append([split.tokens[int(s) : int(s) + window] for s in starts])
+    return round_robin(per_source, max_docs)
 
 
 @torch.no_grad()

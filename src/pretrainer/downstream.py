@@ -79,8 +79,12 @@ def flat_results(results: dict) -> dict[str, float]:
 
 
 def lm_eval_scores(model, tokenizer, tasks: list[str], limit: int | None = None, num_fewshot: int | None = None,
-                   include_path: str | None = None, batch_size: int = 8) -> dict[str, float]:  # fmt: skip
-    """Score a `PreTrainedModel` (already on its device) on lm-eval tasks, in this process."""
+                   include_path: str | None = None, batch_size: int = 8, manager=None) -> dict[str, float]:  # fmt: skip
+    """Score a `PreTrainedModel` (already on its device) on lm-eval tasks, in this process.
+
+    Args:
+        manager: a `task_manager(tasks, include_path)` built earlier (indexing lm-eval's tasks takes ~6 s), or None.
+    """
     require_lm_eval()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -93,7 +97,7 @@ def lm_eval_scores(model, tokenizer, tasks: list[str], limit: int | None = None,
         with rng_kept(), quiet_bars(), torch.no_grad():
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size,
                       max_length=model.config.max_position_embeddings)  # fmt: skip
-            manager = task_manager(tasks, include_path)
+            manager = manager or task_manager(tasks, include_path)
             res = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                   task_manager=manager, bootstrap_iters=0, log_samples=False,
                                   verbosity="ERROR")  # fmt: skip
@@ -109,7 +113,7 @@ def task_manager(tasks: list[str], include_path: str | None):
 
     if include_path is not None and not Path(include_path).is_dir():
         raise RecipeError(f"eval.lm_eval.include_path: {include_path!r} is not a directory")
-    manager = TaskManager(include_path=include_path, verbosity="ERROR")
+    manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" (local tasks from {include_path})" if include_path else ""
@@ -128,8 +132,8 @@ class Downstream:
             section,
             total_steps,
         )
-        if section is not None:
-            task_manager(section.tasks, section.include_path)  # on every rank, before training: fail fast
+        # on every rank, before training: an unknown task fails fast; kept for every scoring (indexing takes ~6 s)
+        self.manager = task_manager(section.tasks, section.include_path) if section is not None else None
 
     def due(self, step: int) -> bool:
         s = self.section
@@ -165,7 +169,7 @@ class Downstream:
         scores = [None]
         if acc.is_main_process:
             scores[0] = lm_eval_scores(model, self.tokenizer, s.tasks, s.limit, s.num_fewshot, s.include_path,
-                                       s.batch_size)  # fmt: skip
+                                       s.batch_size, self.manager)  # fmt: skip
         if acc.num_processes > 1:
             broadcast_object_list(scores, from_process=0)
         acc.wait_for_everyone()

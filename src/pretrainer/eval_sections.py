@@ -4,7 +4,7 @@ import it without a cycle.)"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
@@ -54,8 +54,3 @@ class EvalSection(Section):
     weighted equally, so curves compare across stages and recipes. Default: the first stage's seq_len."""
     context: ContextEvalSection = Field(default_factory=ContextEvalSection)
     lm_eval: LmEvalSection | None = None
-
-    @field_validator("lm_eval", mode="before")
-    @classmethod
-    def _no_empty(cls, v):
-        return None if v == {} else v

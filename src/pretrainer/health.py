@@ -143,11 +143,14 @@ class HealthMonitor:
         self.losses: dict[int, float] = {}
         self.val: dict[int, Any] = {}
         self.incidents: list[dict] = []
+        self.context: dict | None = None
+        """The latest `context` event's details (loss by position and its verdict)."""
         if output_dir is not None:
             run = load_run(output_dir)
             self.losses.update(run["losses"])
             self.val.update((m["step"], val_of(m)) for m in run["evals"])
             self.incidents = [e for e in run["events"] if e["event"] in ("spike", "rollback")]
+            self.context = next((e for e in reversed(run["events"]) if e["event"] == "context"), None)
 
     def on_metrics(self, step: int, values: dict[str, Any]) -> None:
         if "val/avg" in values:
@@ -159,6 +162,8 @@ class HealthMonitor:
     def on_event(self, kind: str, step: int, details: dict[str, Any]) -> None:
         if kind in ("spike", "rollback"):
             self.incidents.append({"event": kind, "step": step})
+        elif kind == "context":
+            self.context = {"step": step, **details}
 
     def verdict(self) -> tuple[str, list[str]]:
         losses = sorted(self.losses.items())

@@ -152,12 +152,13 @@ def _operations_rules(recipe: Recipe) -> list[Finding]:
         ))  # fmt: skip
 
     lm, every = recipe.eval.lm_eval, recipe.eval.every_steps
-    if lm is not None and lm.every_steps and (not every or lm.every_steps % every):
+    if lm is not None and every and lm.every_steps % every:  # (every == 0: PT010 already says evals are off)
+        near = every * max(1, round(lm.every_steps / every))
         out.append(Finding(
             "PT017", "eval.lm_eval.every_steps",
             f"downstream scores are taken at evals only, and every {lm.every_steps} steps is not a multiple of "
             f"eval.every_steps ({every}): they would come at the common multiples and at the end only.",
-            f"use a multiple of {every or 'eval.every_steps'} (e.g. {max(every, 1) * max(1, round(lm.every_steps / max(every, 1)))}).",
+            f"use a multiple of {every} (e.g. {near}).",
         ))  # fmt: skip
     ck = recipe.checkpoint
     if ck.every_minutes is not None and ck.every_minutes > 60:

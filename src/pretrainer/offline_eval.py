@@ -17,8 +17,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .checkpoint import read_meta
-from .context import context_verdict, position_buckets, position_table
+from .context import context_verdict, position_buckets, position_table, round_robin
 from .data.pipeline import split_texts
 from .errors import PretrainerError
 from .evaluation import context_sources
@@ -29,11 +28,10 @@ from .recipe import load_recipe
 @contextlib.contextmanager
 def loaded_model(path: str | Path, device: str = "cpu", dtype: str = "float32") -> Iterator[tuple]:
     """(model, tokenizer, model directory) of an HF model directory, or of a checkpoint (exported to a temporary
-    directory first). Local files only; a hub id is read with transformers' own download."""
+    directory first). Local directories only."""
     path = Path(path)
     with contextlib.ExitStack() as stack:
         if (path / "meta.json").exists():  # one of our checkpoints
-            read_meta(path)
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-export-")))
             path = export_checkpoint(path, tmp / "model", dtype=dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
@@ -76,8 +74,7 @@ def text_rows(tokenizer, texts: dict[str, Iterable[str]], window: int, max_docs:
                 if len(found) == max_docs:
                     break
         per_source.append(found)
-    rows = [docs[k] for k in range(max_docs) for docs in per_source if k < len(docs)]
-    return rows[:max_docs]
+    return round_robin(per_source, max_docs)
 
 
 def context_report(model, tokenizer, texts: dict[str, Iterable[str]], max_docs: int = 16, first_bucket: int = 256,

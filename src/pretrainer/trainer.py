@@ -145,7 +145,8 @@ class Trainer:
             self.log.event("run_end", self.state.step, tokens=self.state.tokens)
         self.accelerator.end_training()
         if self.health is not None:
-            print(end_block(self.output_dir, self.health.val, self.log.counts, self.recipe.logging.report_to))
+            print(end_block(self.output_dir, self.health.val, self.log.counts, self.recipe.logging.report_to,
+                            self.health.context))  # fmt: skip
         return self.last
 
     def steps(self):
