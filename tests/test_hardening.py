@@ -125,8 +125,7 @@ def test_resume_into_another_model_shape_is_one_line(tmp_path, cache_dir, capsys
 
 
 def test_recipe_loading_is_linear_in_its_keys(tmp_path):
-    times = {}
-    for n in (2_000, 8_000, 32_000):
+    def seconds(n: int) -> float:
         keys = "".join(f"    k{i}: {i}\n" for i in range(n))
         base = tmp_path / f"base{n}.yaml"
         base.write_text(MICRO.replace("tie_word_embeddings: true\n", "tie_word_embeddings: true\n" + keys))
@@ -134,9 +133,14 @@ def test_recipe_loading_is_linear_in_its_keys(tmp_path):
         child.write_text(f"inherit: {base.name}\nmodel:\n  config:\n" + keys.replace(": ", ": -"))
         t0 = time.perf_counter()
         r = load_recipe(child, [f"model.config.k{n - 1}=7"])
-        times[n] = time.perf_counter() - t0
         assert r.model.config[f"k{n - 1}"] == 7 and r.model.config["k0"] == 0
-    assert times[32_000] < 16 * times[2_000] + 1.0, times  # 16x the keys: ~16x the time, not 256x
+        return time.perf_counter() - t0
+
+    small = min(seconds(2_000) for _ in range(3))  # best of three: the small size is the noisy one
+    large = seconds(32_000)
+    # 16x the keys: linear is 16x the time, quadratic 256x; 3x headroom for a loaded CI machine (one run of the
+    # old 16x + 1 s bound failed at 21.6x, from 0.18 s at the small size)
+    assert large < 48 * small, (small, large)
 
 
 # ---------------------------------------------------------------------------- data and cache
