@@ -3,10 +3,11 @@
 
 - Loss by position at three windows: seconds and peak memory of `context.position_table` (one row's forward at a
   time, the loss in chunks of positions) on the tiny recipe's model shape and random tokens.
-- lm-eval at three model sizes: the main-process copy ZeRO-3/FSDP runs need (build the class, load the gathered
-  weights) and the scoring itself (`lm_eval_scores` on the local `heldout_python_bpb` task, a BPE trained on it).
+- lm-eval at three model sizes: the main-process copy ZeRO-3/FSDP runs need (`downstream.copy_holding`: build the
+  class in the gathered state's dtype, load it), for an fp32 and a bf16 gather, and the scoring itself
+  (`lm_eval_scores` on the local `heldout_python_bpb` task, a BPE trained on it).
 
-    python scripts/bench_eval.py --windows 1024,2048,8192 --docs 4 --models 128x4,256x8,512x8 --limit 32
+    python scripts/bench_eval.py --windows 1024,2048,8192 --docs 4 --models 128x4,512x8,1024x8 --limit 32
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--models", default="", help="HIDDENxLAYERS,... for the lm-eval rows (empty: none)")
     p.add_argument("--limit", type=int, default=32, help="lm-eval documents")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the gathered state, for the lm-eval rows")
+    p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--model-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -55,11 +58,11 @@ def worker(window: int, docs: int, vocab: int) -> dict:
             "logits_mb": window * vocab * 4 / 2**20}  # fmt: skip
 
 
-def model_worker(shape: str, vocab: int, limit: int) -> dict:
+def model_worker(shape: str, vocab: int, limit: int, dtype: str) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrainer.downstream import lm_eval_scores, task_manager
+    from pretrainer.downstream import copy_holding, lm_eval_scores, task_manager
     from pretrainer.tokenizer import train_bpe
 
     hidden, layers = map(int, shape.split("x"))
@@ -71,17 +74,17 @@ def model_worker(shape: str, vocab: int, limit: int) -> dict:
                          max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    state = {k: v.clone() for k, v in model.state_dict().items()}  # what `get_state_dict` hands the main process
+    # what `get_state_dict` hands the main process
+    state = {k: v.to(getattr(torch, dtype)).clone() for k, v in model.state_dict().items()}
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
-    copy = type(model)(model.config)  # as `Downstream._scored_model` builds it
-    copy.load_state_dict(state, strict=False)
+    copy = copy_holding(model, state, "cpu")  # as `Downstream._scored_model` builds it
     copy_s = time.perf_counter() - t0
     copy_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     manager = task_manager(["heldout_python_bpb"], str(root))
     t0 = time.perf_counter()
     lm_eval_scores(copy, tokenizer, ["heldout_python_bpb"], limit=limit, include_path=str(root), manager=manager)
-    return {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "copy_s": copy_s,
+    return {"shape": shape, "dtype": dtype, "params": sum(p.numel() for p in model.parameters()), "copy_s": copy_s,
             "copy_rss_mb": copy_mb, "score_s": time.perf_counter() - t0, "docs": limit}  # fmt: skip
 
 
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args.worker, args.docs, args.vocab)))
         return 0
     if args.model_worker:
-        print(json.dumps(model_worker(args.model_worker, args.vocab, args.limit)))
+        print(json.dumps(model_worker(args.model_worker, args.vocab, args.limit, args.dtype)))
         return 0
     rows = [run_worker("--worker", str(w), "--docs", str(args.docs), "--vocab", str(args.vocab))
             for w in map(int, args.windows.split(","))]  # fmt: skip
@@ -107,13 +110,16 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['window']:,} | {r['docs']} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | {r['peak_rss_mb']:,.0f} "
               f"| {r['rss_growth_mb']:,.0f} | {r['logits_mb']:,.0f} |")  # fmt: skip
-    models = [run_worker("--model-worker", m, "--vocab", str(args.vocab), "--limit", str(args.limit))
-              for m in filter(None, args.models.split(","))]  # fmt: skip
+    models = [run_worker("--model-worker", m, "--vocab", str(args.vocab), "--limit", str(args.limit), "--dtype", d)
+              for m in filter(None, args.models.split(",")) for d in args.dtypes.split(",")]  # fmt: skip
     if models:
-        print("\n| model | parameters | main-process copy (s) | copy RSS (MB) | lm-eval scoring (s) | documents |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "\n| model | parameters | gathered dtype | main-process copy (s) | copy RSS (MB) | lm-eval scoring (s) "
+            "| documents |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for r in models:
-            print(f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['copy_s']:.2f} | {r['copy_rss_mb']:,.0f} "
+            print(f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['copy_s']:.2f} | {r['copy_rss_mb']:,.0f} "
                   f"| {r['score_s']:.2f} | {r['docs']} |")  # fmt: skip
     return 0
 

@@ -90,5 +90,8 @@ def test_bench_eval_measures_each_window_in_its_own_process(capsys):
     )
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| window |") and [r.split("|")[1].strip() for r in table[2:4]] == ["64", "128"]
-    model = table[-1].split("|")  # the lm-eval row: a copy and a scoring were timed
-    assert model[1].strip() == "64x1" and float(model[5]) > 0 and model[6].strip() == "2"
+    rows = [r.split("|") for r in table[-2:]]  # the lm-eval rows, fp32 and bf16 gathers: a copy and a scoring timed
+    assert [(r[1].strip(), r[3].strip(), r[7].strip()) for r in rows] == [
+        ("64x1", d, "2") for d in ("float32", "bfloat16")
+    ]
+    assert all(float(r[6]) > 0 for r in rows)

@@ -10,6 +10,7 @@ from conftest import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer.context import context_verdict, position_buckets, position_table
+from pretrainer.downstream import copy_holding
 
 
 def test_position_buckets_double_and_cover_the_window():
@@ -196,3 +197,18 @@ def test_heldout_task_builder_writes_well_formed_tasks(tmp_path):
     for q in questions:
         assert len(q["choices"]) == 4 and len(set(q["choices"])) == 4 and q["context"].count("\n") == 8
         assert 0 <= q["gold"] < 4
+
+
+def test_a_gathered_bf16_state_makes_a_bf16_copy():
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))  # fmt: skip
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    copy = copy_holding(model, state, "cpu")
+    assert torch.get_default_dtype() == torch.float32  # put back
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}  # half the bytes of an fp32 copy
+    assert all(torch.equal(copy.state_dict()[k], v) for k, v in state.items())
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    assert copy.model.rotary_emb.inv_freq.dtype == torch.float32  # RoPE frequencies stay exact
+    ids = torch.arange(16)[None]
+    ref = model(ids).logits
+    assert (copy(ids).logits.float() - ref).abs().max() < 0.1 * ref.abs().max()

@@ -33,6 +33,26 @@ def require_lm_eval() -> None:
         raise RecipeError("eval.lm_eval: lm-evaluation-harness is not installed; pip install -e .[eval]") from None
 
 
+def copy_holding(model: torch.nn.Module, state: dict[str, torch.Tensor], device) -> torch.nn.Module:
+    """A fresh instance of `model`'s class holding `state`, built in the state's float dtype.
+
+    As `from_pretrained(torch_dtype=...)` does: a bf16 gather (DeepSpeed ZeRO-3 under bf16) makes a bf16 copy, not
+    an fp32 one twice its size. The class itself, not `from_config`: transformers would build it inside
+    `deepspeed.zero.Init`, whose partitioning is a collective the other ranks are not in.
+    """
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.get_default_dtype())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            copy = type(model)(model.config)
+    finally:
+        torch.set_default_dtype(previous)
+    copy.load_state_dict(state, strict=False)
+    copy.tie_weights()
+    return copy
+
+
 @contextlib.contextmanager
 def rng_kept():
     """Restore Python, NumPy, torch (and CUDA) RNG states on exit."""
@@ -153,13 +173,7 @@ class Downstream:
         state = acc.get_state_dict(self.model)  # all ranks take part; the full weights land on the main process
         if not acc.is_main_process:
             return None
-        # The class itself, not `from_config`: transformers would build it inside `deepspeed.zero.Init`, whose
-        # partitioning is a collective the other ranks are not in.
-        with torch.device(acc.device):
-            copy = type(unwrapped)(unwrapped.config)
-        copy.load_state_dict(state, strict=False)
-        copy.tie_weights()
-        return copy
+        return copy_holding(unwrapped, state, acc.device)
 
     def __call__(self, step: int) -> dict[str, float]:
         if not self.due(step):
