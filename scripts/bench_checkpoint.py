@@ -44,8 +44,14 @@ def worker(args) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     h = args.hidden
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=h, intermediate_size=h * 2, num_hidden_layers=args.layers,
-                      num_attention_heads=max(1, h // 64), max_position_embeddings=64)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=h,
+        intermediate_size=h * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, h // 64),
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     for layer in model.model.layers:
@@ -104,8 +110,22 @@ def main(argv=None) -> int:
         d = args.out / spec
         shutil.rmtree(d, ignore_errors=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.procs),
-               __file__, "--worker", "--hidden", str(hidden), "--layers", str(layers), "--out", str(d)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.procs),
+            __file__,
+            "--worker",
+            "--hidden",
+            str(hidden),
+            "--layers",
+            str(layers),
+            "--out",
+            str(d),
+        ]
         subprocess.run(cmd, check=True, env=env)
         r = json.loads((d / "result.json").read_text())
         gb = r["bytes"] / 1e9
@@ -119,11 +139,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for spec, r in rows:
         gb = r["bytes"] / 1e9
-        print(f"| {spec} | {r['params'] / 1e6:.0f}M | {gb:.2f} GB | {r['sync_total_s']:.2f} s ({r['sync_total_s'] / gb:.2f} s/GB) "
-              f"| {r['async_blocked_s']:.3f} s ({r['async_first_blocked_s']:.3f} s) "
-              f"| {r['async_blocked_s'] / r['sync_total_s']:.1%} "
-              f"| {r['verify_world_s']:.3f} s ({r['verify_world_s'] / gb:.3f} s/GB) "
-              f"| {r['verify_one_s']:.3f} s | {r['sha256_one_s']:.2f} s | {r['finite_s'] * 1e3:.1f} ms |")  # fmt: skip
+        print(
+            f"| {spec} | {r['params'] / 1e6:.0f}M | {gb:.2f} GB | {r['sync_total_s']:.2f} s ({r['sync_total_s'] / gb:.2f} s/GB) "
+            f"| {r['async_blocked_s']:.3f} s ({r['async_first_blocked_s']:.3f} s) "
+            f"| {r['async_blocked_s'] / r['sync_total_s']:.1%} "
+            f"| {r['verify_world_s']:.3f} s ({r['verify_world_s'] / gb:.3f} s/GB) "
+            f"| {r['verify_one_s']:.3f} s | {r['sha256_one_s']:.2f} s | {r['finite_s'] * 1e3:.1f} ms |"
+        )
     return 0
 
 

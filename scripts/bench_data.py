@@ -26,21 +26,30 @@ def main(argv=None) -> int:
         import torch
 
         from pretrainer.data.pipeline import StageBatches, get_tokenizer, load_sources
-        from pretrainer.recipe import load_recipe
-        from pretrainer.stages import stage_spans
+        from pretrainer.recipe.loading import load_recipe
+        from pretrainer.recipe.stages import stage_spans
 
         torch.set_num_threads(1)
         recipe = load_recipe(args.recipe, args.overrides)
         sources = load_sources(recipe, get_tokenizer(recipe))
         for span in stage_spans(recipe):
-            batches = StageBatches(recipe, span, sources)
+            batches = StageBatches(recipe.stages[span.index], span, sources, recipe.run.seed)
             cursor, t0 = args.start, time.perf_counter()
             for _ in range(args.steps):
                 _, cursor, _ = batches.step_batches(cursor, 0, 1)
             dt = time.perf_counter() - t0
             tokens = args.steps * span.tokens_per_step
-            print(json.dumps({"stage": span.name, "seq_len": span.seq_len, "tokens": tokens,
-                              "seconds": round(dt, 4), "tokens_per_s": round(tokens / dt)}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "stage": span.name,
+                        "seq_len": span.seq_len,
+                        "tokens": tokens,
+                        "seconds": round(dt, 4),
+                        "tokens_per_s": round(tokens / dt),
+                    }
+                )
+            )
         return 0
 
     return run_main(run, debug=args.debug)

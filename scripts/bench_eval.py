@@ -40,11 +40,18 @@ def worker(window: int, docs: int, vocab: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrainer.context import position_buckets, position_table
+    from pretrainer.evaluation.context import position_buckets, position_table
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=window,
+    )
     model = LlamaForCausalLM(config).eval()
     rows = [np.random.default_rng(i).integers(0, vocab, window) for i in range(docs)]
     position_table(model, rows[:1], position_buckets(window), "cpu")  # warm-up
@@ -53,25 +60,38 @@ def worker(window: int, docs: int, vocab: int) -> dict:
     position_table(model, rows, position_buckets(window), "cpu")
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return {"window": window, "docs": docs, "seconds": seconds, "tokens_per_s": window * docs / seconds,
-            "peak_rss_mb": peak / 1024, "rss_growth_mb": (peak - base) / 1024,
-            "logits_mb": window * vocab * 4 / 2**20}  # fmt: skip
+    return {
+        "window": window,
+        "docs": docs,
+        "seconds": seconds,
+        "tokens_per_s": window * docs / seconds,
+        "peak_rss_mb": peak / 1024,
+        "rss_growth_mb": (peak - base) / 1024,
+        "logits_mb": window * vocab * 4 / 2**20,
+    }
 
 
 def model_worker(shape: str, vocab: int, limit: int, dtype: str) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrainer.downstream import copy_holding, lm_eval_scores, task_manager
-    from pretrainer.tokenizer import train_bpe
+    from pretrainer.data.tokenizer import train_bpe
+    from pretrainer.evaluation.downstream import copy_holding, lm_eval_scores, task_manager
 
     hidden, layers = map(int, shape.split("x"))
     root = Path(__file__).resolve().parents[1] / "eval_tasks"
     texts = [json.loads(x)["text"] for x in (root / "heldout_python" / "text.jsonl").read_text().splitlines()]
     tokenizer = train_bpe(texts, vocab)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=3 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                         max_position_embeddings=1024, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     # what `get_state_dict` hands the main process
@@ -84,8 +104,15 @@ def model_worker(shape: str, vocab: int, limit: int, dtype: str) -> dict:
     manager = task_manager(["heldout_python_bpb"], str(root))
     t0 = time.perf_counter()
     lm_eval_scores(copy, tokenizer, ["heldout_python_bpb"], limit=limit, include_path=str(root), manager=manager)
-    return {"shape": shape, "dtype": dtype, "params": sum(p.numel() for p in model.parameters()), "copy_s": copy_s,
-            "copy_rss_mb": copy_mb, "score_s": time.perf_counter() - t0, "docs": limit}  # fmt: skip
+    return {
+        "shape": shape,
+        "dtype": dtype,
+        "params": sum(p.numel() for p in model.parameters()),
+        "copy_s": copy_s,
+        "copy_rss_mb": copy_mb,
+        "score_s": time.perf_counter() - t0,
+        "docs": limit,
+    }
 
 
 def run_worker(*args: str) -> dict:
@@ -101,17 +128,24 @@ def main(argv=None) -> int:
     if args.model_worker:
         print(json.dumps(model_worker(args.model_worker, args.vocab, args.limit, args.dtype)))
         return 0
-    rows = [run_worker("--worker", str(w), "--docs", str(args.docs), "--vocab", str(args.vocab))
-            for w in map(int, args.windows.split(","))]  # fmt: skip
+    rows = [
+        run_worker("--worker", str(w), "--docs", str(args.docs), "--vocab", str(args.vocab))
+        for w in map(int, args.windows.split(","))
+    ]
     print(
         "| window | docs | seconds | tokens/s | peak RSS (MB) | growth past warm-up (MB) | one row's fp32 logits (MB) |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['window']:,} | {r['docs']} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | {r['peak_rss_mb']:,.0f} "
-              f"| {r['rss_growth_mb']:,.0f} | {r['logits_mb']:,.0f} |")  # fmt: skip
-    models = [run_worker("--model-worker", m, "--vocab", str(args.vocab), "--limit", str(args.limit), "--dtype", d)
-              for m in filter(None, args.models.split(",")) for d in args.dtypes.split(",")]  # fmt: skip
+        print(
+            f"| {r['window']:,} | {r['docs']} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | {r['peak_rss_mb']:,.0f} "
+            f"| {r['rss_growth_mb']:,.0f} | {r['logits_mb']:,.0f} |"
+        )
+    models = [
+        run_worker("--model-worker", m, "--vocab", str(args.vocab), "--limit", str(args.limit), "--dtype", d)
+        for m in filter(None, args.models.split(","))
+        for d in args.dtypes.split(",")
+    ]
     if models:
         print(
             "\n| model | parameters | gathered dtype | main-process copy (s) | copy RSS (MB) | lm-eval scoring (s) "
@@ -119,8 +153,10 @@ def main(argv=None) -> int:
         )
         print("|---|---|---|---|---|---|---|")
         for r in models:
-            print(f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['copy_s']:.2f} | {r['copy_rss_mb']:,.0f} "
-                  f"| {r['score_s']:.2f} | {r['docs']} |")  # fmt: skip
+            print(
+                f"| {r['shape']} | {r['params'] / 1e6:.1f}M | {r['dtype']} | {r['copy_s']:.2f} | {r['copy_rss_mb']:,.0f} "
+                f"| {r['score_s']:.2f} | {r['docs']} |"
+            )
     return 0
 
 

@@ -52,15 +52,26 @@ def overrides(args, recipe) -> list[str]:
     stage = recipe.stages[0]
     seq_len = stage.seq_len
     every = max(1, args.steps // 6)
-    out = [f"logging.every_steps={every}", f"logging.peak_tflops={args.peak_tflops}", "eval.every_steps=0",
-           "checkpoint.every_minutes=null", "checkpoint.at_stage_end=false", "spikes.enabled=false",
-           "logging.report_to=[]", "schedule.decay_stage=null", "schedule.warmup_steps=0"]  # fmt: skip
+    out = [
+        f"logging.every_steps={every}",
+        f"logging.peak_tflops={args.peak_tflops}",
+        "eval.every_steps=0",
+        "checkpoint.every_minutes=null",
+        "checkpoint.at_stage_end=false",
+        "spikes.enabled=false",
+        "logging.report_to=[]",
+        "schedule.decay_stage=null",
+        "schedule.warmup_steps=0",
+    ]
     if args.recipe_data:
         mixture = json.dumps(stage.mixture)
     else:
         vocab = recipe.model.config.get("vocab_size", 32000)
-        out += ["data.sources={stdlib: {type: python_stdlib, include: [\"**/*.py\"]}}", "tokenizer.path=null",
-                f"tokenizer.train={{vocab_size: {vocab}}}"]  # fmt: skip
+        out += [
+            'data.sources={stdlib: {type: python_stdlib, include: ["**/*.py"]}}',
+            "tokenizer.path=null",
+            f"tokenizer.train={{vocab_size: {vocab}}}",
+        ]
         mixture = "{stdlib: 1.0}"
     out.append(f"stages=[{{name: bench, steps: {args.steps}, seq_len: {seq_len}, mixture: {mixture}}}]")
     return out
@@ -68,7 +79,7 @@ def overrides(args, recipe) -> list[str]:
 
 def summarize(run_dir: Path) -> dict:
     """Medians over the logged windows after the first (warm-up, compilation)."""
-    from pretrainer.tracking import read_jsonl
+    from pretrainer.observe.tracking import read_jsonl
 
     rows = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "tokens_per_s" in m][1:]
     if not rows:
@@ -79,8 +90,13 @@ def summarize(run_dir: Path) -> dict:
         return statistics.median(vals) if vals else None
 
     peak = [r["mem/peak_gb"] for r in rows if "mem/peak_gb" in r]
-    return {"tokens_per_s": med("tokens_per_s"), "mfu": med("mfu"), "data_wait": med("data_wait"),
-            "peak_memory_gb": max(peak) if peak else None, "windows": len(rows)}  # fmt: skip
+    return {
+        "tokens_per_s": med("tokens_per_s"),
+        "mfu": med("mfu"),
+        "data_wait": med("data_wait"),
+        "peak_memory_gb": max(peak) if peak else None,
+        "windows": len(rows),
+    }
 
 
 def run_variant(args, name: str, shared: list[str]) -> dict:
@@ -93,8 +109,15 @@ def run_variant(args, name: str, shared: list[str]) -> dict:
             extra.append("model.attn_implementation=flash_attention_2")
         except ImportError:
             pass  # sdpa with a [B, 1, T, T] mask: measured as it is
-    cmd = [sys.executable, str(Path(__file__).with_name("run_recipe.py")), args.recipe, "--output-dir", str(out),
-           "--overwrite", *(x for s in [*shared, *args.overrides, *extra] for x in ("--set", s))]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).with_name("run_recipe.py")),
+        args.recipe,
+        "--output-dir",
+        str(out),
+        "--overwrite",
+        *(x for s in [*shared, *args.overrides, *extra] for x in ("--set", s)),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -112,7 +135,7 @@ def main(argv=None) -> int:
         import torch
 
         from pretrainer.errors import PretrainerError
-        from pretrainer.recipe import load_recipe
+        from pretrainer.recipe.loading import load_recipe
 
         if not torch.cuda.is_available() and not args.cpu:
             print("bench_gpu: no CUDA GPU here; skipped")
@@ -123,8 +146,14 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         shared = overrides(args, recipe)
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        out = {"gpu": gpu, "torch": torch.__version__, "peak_tflops": args.peak_tflops, "recipe": args.recipe,
-               "steps": args.steps, "variants": []}  # fmt: skip
+        out = {
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "peak_tflops": args.peak_tflops,
+            "recipe": args.recipe,
+            "steps": args.steps,
+            "variants": [],
+        }
         for name in names:
             result = run_variant(args, name, shared)
             out["variants"].append(result)

@@ -54,21 +54,27 @@ def tokenizer(out: Path):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator((json.loads(line)["text"] for line in open(next(iter(sorted(out.glob("*.jsonl")))))),
-                            trainers.BpeTrainer(vocab_size=8192, special_tokens=["<eos>"]))  # fmt: skip
+    tok.train_from_iterator(
+        (json.loads(line)["text"] for line in open(next(iter(sorted(out.glob("*.jsonl")))))),
+        trainers.BpeTrainer(vocab_size=8192, special_tokens=["<eos>"]),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def child(data_dir: str, out_dir: str, workers: int) -> None:
     from pretrainer.data.prepare import prepare_source
-    from pretrainer.sections import SourceSection
+    from pretrainer.recipe.sections import SourceSection
 
     src = SourceSection(type="files", include=[f"{data_dir}/*.jsonl"], text_field="text")
     t0 = time.perf_counter()
-    m = prepare_source("bench", src, tokenizer(Path(data_dir)), Path(out_dir), 0.001, executor="local",
-                       workers=workers)  # fmt: skip
-    print(json.dumps({"tokens": m["tokens"], "docs": m["docs"], "files": m["files"],
-                      "seconds": time.perf_counter() - t0}))  # fmt: skip
+    m = prepare_source(
+        "bench", src, tokenizer(Path(data_dir)), Path(out_dir), 0.001, executor="local", workers=workers
+    )
+    print(
+        json.dumps(
+            {"tokens": m["tokens"], "docs": m["docs"], "files": m["files"], "seconds": time.perf_counter() - t0}
+        )
+    )
 
 
 def peak_rss(proc: subprocess.Popen) -> list[int]:
@@ -111,14 +117,29 @@ def main(argv=None) -> int:
             raise SystemExit(f"preparation of {mb:g} MB failed (exit {proc.returncode})")
         r = json.loads(stdout.strip().splitlines()[-1])
         text_mb = sum(p.stat().st_size for p in data.glob("*.jsonl")) / 2**20
-        rows.append({"text_mb": round(text_mb, 1), "files": r["files"], "docs": r["docs"], "tokens": r["tokens"],
-                     "seconds": round(r["seconds"], 2), "tokens_per_s": round(r["tokens"] / r["seconds"]),
-                     "tokens_per_s_per_worker": round(r["tokens"] / r["seconds"] / args.workers),
-                     "peak_rss_mb": round(peak[0] / 2**20)})  # fmt: skip
+        rows.append(
+            {
+                "text_mb": round(text_mb, 1),
+                "files": r["files"],
+                "docs": r["docs"],
+                "tokens": r["tokens"],
+                "seconds": round(r["seconds"], 2),
+                "tokens_per_s": round(r["tokens"] / r["seconds"]),
+                "tokens_per_s_per_worker": round(r["tokens"] / r["seconds"] / args.workers),
+                "peak_rss_mb": round(peak[0] / 2**20),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     growth = rows[-1]["peak_rss_mb"] / rows[0]["peak_rss_mb"] - 1
-    print(json.dumps({"workers": args.workers, "size_ratio": round(rows[-1]["text_mb"] / rows[0]["text_mb"], 1),
-                      "peak_rss_growth": round(growth, 3)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "workers": args.workers,
+                "size_ratio": round(rows[-1]["text_mb"] / rows[0]["text_mb"], 1),
+                "peak_rss_growth": round(growth, 3),
+            }
+        )
+    )
     return 0
 
 

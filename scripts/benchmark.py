@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
-        from pretrainer.benchmark import run_all
-        from pretrainer.benchmark_report import environment, write_markdown
+        from benchkit.harness import run_all
+        from benchkit.report import environment, write_markdown
 
         with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
             result = run_all(args.recipe, args.rounds, args.chunk, args.threads, tmp)

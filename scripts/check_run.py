@@ -35,13 +35,13 @@ def main(argv=None) -> int:
         from pathlib import Path
 
         from pretrainer.errors import PretrainerError
-        from pretrainer.health import format_report, report
+        from pretrainer.observe.health import format_report, report
 
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
         r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep")
         if args.plot:
-            from pretrainer.plots import plot_run
+            from pretrainer.observe.plots import plot_run
 
             r["plot"] = str(plot_run(args.output_dir, args.plot))
         print(json.dumps(r) if args.json else format_report(r))

@@ -45,9 +45,9 @@ def main(argv=None) -> int:
     def run() -> int:
         from pathlib import Path
 
-        from pretrainer.downstream import lm_eval_scores
         from pretrainer.errors import PretrainerError
-        from pretrainer.offline_eval import context_report, file_texts, loaded_model, recipe_texts, run_recipe_of
+        from pretrainer.evaluation.downstream import lm_eval_scores
+        from pretrainer.evaluation.offline import context_report, file_texts, loaded_model, recipe_texts, run_recipe_of
 
         if not (args.context or args.tasks):
             raise PretrainerError("nothing to do: give --context and/or --tasks")
@@ -60,11 +60,11 @@ def main(argv=None) -> int:
                 if not (recipe or args.text):
                     raise PretrainerError(f"{args.model}: not inside a run directory; give --recipe or --text")
                 texts = file_texts(args.text) if args.text else recipe_texts(recipe)
-                out["context"] = context_report(model, tokenizer, texts, args.max_docs, args.first_bucket,
-                                                args.window)  # fmt: skip
+                out["context"] = context_report(model, tokenizer, texts, args.max_docs, args.first_bucket, args.window)
             if args.tasks:
-                out["scores"] = lm_eval_scores(model, tokenizer, args.tasks, args.limit, args.num_fewshot,
-                                               args.include_path, args.batch_size)  # fmt: skip
+                out["scores"] = lm_eval_scores(
+                    model, tokenizer, args.tasks, args.limit, args.num_fewshot, args.include_path, args.batch_size
+                )
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1))
         print(json.dumps(out) if args.json else format_result(out))

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
-        from pretrainer.export import export_checkpoint
+        from pretrainer.checkpoint.export import export_checkpoint
 
         print(export_checkpoint(args.checkpoint, args.out, args.dtype))
         return 0

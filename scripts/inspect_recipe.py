@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     def run() -> int:
         from pretrainer.data.pipeline import prepared_tokens
         from pretrainer.errors import PretrainerError
-        from pretrainer.recipe import load_recipe
-        from pretrainer.summary import estimate_wall_time, format_summary, summarize
+        from pretrainer.observe.summary import estimate_wall_time, format_summary, summarize
+        from pretrainer.recipe.loading import load_recipe
 
         try:
             steps = [int(s) for s in args.lr_at.split(",") if s.strip()]
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
         if args.gpus:
             info["wall_time"] = estimate_wall_time(info["total_flops"], args.gpus, args.mfu, args.peak_tflops)
         if args.plot:
-            from pretrainer.plots import plot_schedule
+            from pretrainer.observe.plots import plot_schedule
 
             plot_schedule(recipe, info, args.plot)
         print(json.dumps(info) if args.json else format_summary(info))

@@ -19,12 +19,21 @@ from pretrainer.cli import run_main, script_parser
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = script_parser(__doc__)
-    p.add_argument("--executor", choices=["local", "slurm", "inline"], default="local",
-                   help="datatrove executor: local processes (default), Slurm jobs, or this process")  # fmt: skip
+    p.add_argument(
+        "--executor",
+        choices=["local", "slurm", "inline"],
+        default="local",
+        help="datatrove executor: local processes (default), Slurm jobs, or this process",
+    )
     p.add_argument("--tasks", type=int, help="datatrove tasks per source (default: one per input file)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tasks run at once (local executor)")
-    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
-                   help="a SlurmPipelineExecutor setting, e.g. partition=cpu, time=12:00:00, cpus_per_task=4")  # fmt: skip
+    p.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a SlurmPipelineExecutor setting, e.g. partition=cpu, time=12:00:00, cpus_per_task=4",
+    )
     return p.parse_args(argv)
 
 
@@ -46,7 +55,7 @@ def main(argv=None) -> int:
     def run() -> int:
         from pretrainer.data.pipeline import get_tokenizer, source_dir, used_sources
         from pretrainer.data.prepare import prepare_source
-        from pretrainer.recipe import load_recipe
+        from pretrainer.recipe.loading import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
         slurm = _slurm_settings(args.slurm)
@@ -55,8 +64,17 @@ def main(argv=None) -> int:
         for name in used_sources(recipe):
             out = source_dir(recipe, name, tokenizer)
             src = recipe.data.sources[name]
-            m = prepare_source(name, src, tokenizer, out, recipe.data.validation_fraction, args.executor,
-                               args.tasks, args.workers, slurm)  # fmt: skip
+            m = prepare_source(
+                name,
+                src,
+                tokenizer,
+                out,
+                recipe.data.validation_fraction,
+                args.executor,
+                args.tasks,
+                args.workers,
+                slurm,
+            )
             if m is None:
                 pending += 1
                 print(json.dumps({"source": name, "dir": str(out), "status": "submitted"}))

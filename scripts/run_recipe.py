@@ -53,15 +53,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
-        from pretrainer.recipe import load_recipe
-        from pretrainer.trainer import Trainer
+        from pretrainer.recipe.loading import load_recipe
+        from pretrainer.train.trainer import Trainer
 
         recipe = load_recipe(args.recipe, args.overrides)
         resume, allow = args.resume, args.allow_recipe_change
         if args.branch_decay_from:
             from pretrainer.checkpoint import read_meta
             from pretrainer.errors import PretrainerError
-            from pretrainer.stages import branch_decay_recipe
+            from pretrainer.recipe.stages import branch_decay_recipe
 
             if not args.decay_steps or not args.output_dir:
                 raise PretrainerError("--branch-decay-from needs --decay-steps N and a new --output-dir")

@@ -35,7 +35,7 @@ def write(path: Path, text: str) -> Path:
 
 def step_losses(out: Path) -> dict[int, float]:
     """Per-step training losses of a run; a step logged again after a resume or rollback replaces the earlier one."""
-    from pretrainer.tracking import read_jsonl
+    from pretrainer.observe.tracking import read_jsonl
 
     losses = {}
     for m in read_jsonl(Path(out) / "metrics.jsonl"):

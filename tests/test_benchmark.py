@@ -5,8 +5,7 @@ import json
 import bench_gpu
 import pytest
 import torch
-
-from pretrainer.benchmark_report import write_markdown
+from benchkit.report import write_markdown
 
 
 def test_bench_gpu_skips_without_cuda(capsys):
@@ -20,9 +19,23 @@ def test_bench_gpu_runs_the_trainer_per_variant(tmp_path, cache_dir):
     """On the CPU (--cpu) the plumbing runs as on a GPU: one real trainer run per variant, numbers from its own
     metrics; a variant that cannot run here is reported with its error and the others go on."""
     out = tmp_path / "g.json"
-    args = ["tests/fixtures/micro.yaml", "--cpu", "--recipe-data", "--steps", "12", "--peak-tflops", "1",
-            "--variants", "eager,masking,liger", "--work-dir", str(tmp_path / "runs"), "--out", str(out),
-            "--set", f"data.cache_dir={cache_dir}"]  # fmt: skip
+    args = [
+        "tests/fixtures/micro.yaml",
+        "--cpu",
+        "--recipe-data",
+        "--steps",
+        "12",
+        "--peak-tflops",
+        "1",
+        "--variants",
+        "eager,masking,liger",
+        "--work-dir",
+        str(tmp_path / "runs"),
+        "--out",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+    ]
     assert bench_gpu.main(args) == 0
     v = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
     for name in ("eager", "masking"):
@@ -36,13 +49,28 @@ def test_bench_gpu_runs_the_trainer_per_variant(tmp_path, cache_dir):
 
 def test_benchmark_end_to_end_small(tmp_path, cache_dir, monkeypatch):
     import benchmark
-
-    from pretrainer import benchmark as lib
+    from benchkit import harness as lib
 
     monkeypatch.setattr(lib, "BENCH_OVERRIDES", lib.BENCH_OVERRIDES + [f"data.cache_dir={cache_dir}"])
     j, md = tmp_path / "b.json", tmp_path / "B.md"
-    assert benchmark.main(["tests/fixtures/micro.yaml", "--rounds", "1", "--chunk", "1", "--json-out", str(j),
-                           "--md-out", str(md), "--threads", "1"]) == 0  # fmt: skip
+    assert (
+        benchmark.main(
+            [
+                "tests/fixtures/micro.yaml",
+                "--rounds",
+                "1",
+                "--chunk",
+                "1",
+                "--json-out",
+                str(j),
+                "--md-out",
+                str(md),
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     r = json.loads(j.read_text())
     st = r["step_time"]
     for name in ("pretrainer", "plain", "hf_trainer"):
@@ -56,16 +84,35 @@ def test_benchmark_end_to_end_small(tmp_path, cache_dir, monkeypatch):
 def test_markdown_marks_missed_goals(tmp_path):
     d = {"median": 1.0, "q1": 0.9, "q3": 1.1, "min": 0.8, "max": 1.2, "n": 3}
     r = {
-        "environment": {"date": "2026-12-02", "machine": "m", "gpu": None, "python": "3", "torch": "t",
-                        "transformers": "x", "accelerate": "a"},
-        "command": "python scripts/benchmark.py", "threads": 2, "params": 10, "grad_accum": 2, "micro_batch_size": 4,
+        "environment": {
+            "date": "2026-12-02",
+            "machine": "m",
+            "gpu": None,
+            "python": "3",
+            "torch": "t",
+            "transformers": "x",
+            "accelerate": "a",
+        },
+        "command": "python scripts/benchmark.py",
+        "threads": 2,
+        "params": 10,
+        "grad_accum": 2,
+        "micro_batch_size": 4,
         "seq_len": 8,
-        "step_time": {"pretrainer": d, "plain": d, "hf_trainer": d, "ratio_vs_plain": 1.2, "ratio_vs_hf_trainer": 0.9,
-                      "tokens_per_step": 8, "rounds": 1, "chunk": 1},
+        "step_time": {
+            "pretrainer": d,
+            "plain": d,
+            "hf_trainer": d,
+            "ratio_vs_plain": 1.2,
+            "ratio_vs_hf_trainer": 0.9,
+            "tokens_per_step": 8,
+            "rounds": 1,
+            "chunk": 1,
+        },
         "data": {"delivered_tokens_per_s": 1e6, "consumed_tokens_per_s": 1e3, "headroom": 1000.0},
         "checkpoint_stall": {"sync_s": d, "background_s": d, "ratio": 0.05},
         "resume": {"100": d, "1000000000": d, "ratio": 1.0},
-    }  # fmt: skip
+    }
     write_markdown(r, tmp_path / "B.md")
     text = (tmp_path / "B.md").read_text()
     assert "1.200x | <= 1.03x | **missed**" in text and "0.900x | <= 1.00x | met" in text

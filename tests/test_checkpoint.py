@@ -17,15 +17,22 @@ from conftest import FIXTURES, step_losses
 from safetensors.torch import load_file, save_file
 
 from pretrainer import checkpoint as ck
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = ["--set", "checkpoint.every_tokens=4096", "--set", "eval.every_steps=0", "--set", "stages.0.steps=40"]
 
 
 def cli(out, cache_dir, *extra):
-    return [str(FIXTURES / "micro.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}", *CKPT,
-            *extra]  # fmt: skip
+    return [
+        str(FIXTURES / "micro.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *CKPT,
+        *extra,
+    ]
 
 
 def launch(out, cache_dir, *extra, kill_at=None):
@@ -174,8 +181,13 @@ def test_retention_keep_last_milestones_and_protected(tmp_path):
     keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=None, protected=set())
     assert sorted(p.name for p in keep) == ["step_00000008", "step_00000009", "step_00000010"]
     keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=4000, protected={"step_00000002"})
-    assert sorted(p.name for p in keep) == ["step_00000002", "step_00000004", "step_00000008", "step_00000009",
-                                            "step_00000010"]  # fmt: skip
+    assert sorted(p.name for p in keep) == [
+        "step_00000002",
+        "step_00000004",
+        "step_00000008",
+        "step_00000009",
+        "step_00000010",
+    ]
 
 
 def test_retention_end_to_end_and_keep_last_validation(reference, cache_dir, tmp_path, capsys):
@@ -209,8 +221,11 @@ def test_recipe_change_refused_unless_allowed(reference, tmp_path, cache_dir, ca
 def test_preemption_saves_and_exits_75(tmp_path, cache_dir, reference):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "scripts/run_recipe.py", *cli(out, cache_dir, "--set", "stages.0.steps=400",
-           "--set", "checkpoint.every_tokens=null")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "scripts/run_recipe.py",
+        *cli(out, cache_dir, "--set", "stages.0.steps=400", "--set", "checkpoint.every_tokens=null"),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
@@ -264,8 +279,9 @@ def test_wsd_branch_decay_and_extension(reference, tmp_path, cache_dir):
     longer = tmp_path / "longer"
     shutil.copytree(reference, longer)
     last = ck.list_checkpoints(longer / "checkpoints")[-1].path
-    rc = run_recipe.main(cli(longer, cache_dir, "--resume", str(last), "--set", "stages.0.steps=60",
-                             "--allow-recipe-change"))  # fmt: skip
+    rc = run_recipe.main(
+        cli(longer, cache_dir, "--resume", str(last), "--set", "stages.0.steps=60", "--allow-recipe-change")
+    )
     assert rc == 0
     assert max(s for s in step_losses(longer)) == 60
     meta = json.loads((ck.list_checkpoints(longer / "checkpoints")[-1].path / "meta.json").read_text())

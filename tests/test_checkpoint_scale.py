@@ -11,14 +11,19 @@ from conftest import FIXTURES, step_losses
 
 from pretrainer.checkpoint import format as ck
 from pretrainer.checkpoint import integrity
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
 
 
 def test_shares_split_every_file_once_and_keep_rank_files_with_their_rank():
     sizes = {f"pytorch_model/zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 1000 for r in range(4)}
     sizes |= {f"random_states_{r}.pkl": 10 for r in range(4)}
-    sizes |= {"pytorch_model/mp_rank_00_model_states.pt": 900, "meta.json": 5, "tokenizer/tokenizer.json": 300,
-              "dcp/__2_0.distcp": 700, "dcp/.metadata": 50}  # fmt: skip
+    sizes |= {
+        "pytorch_model/mp_rank_00_model_states.pt": 900,
+        "meta.json": 5,
+        "tokenizer/tokenizer.json": 300,
+        "dcp/__2_0.distcp": 700,
+        "dcp/.metadata": 50,
+    }
     for world in (1, 2, 3, 4, 8):
         parts = integrity.shares(sizes, world)
         flat = [f for p in parts for f in p]
@@ -53,9 +58,20 @@ def test_live_check_sees_one_nan_in_params_or_optimizer_state():
 
 
 def cli(out, cache_dir, *extra):
-    return [str(FIXTURES / "micro.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
-            "--set", "checkpoint.every_tokens=4096", "--set", "eval.every_steps=0", "--set", "stages.0.steps=20",
-            *extra]  # fmt: skip
+    return [
+        str(FIXTURES / "micro.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        "--set",
+        "checkpoint.every_tokens=4096",
+        "--set",
+        "eval.every_steps=0",
+        "--set",
+        "stages.0.steps=20",
+        *extra,
+    ]
 
 
 def test_remote_copy_follows_retention_and_serves_a_replaced_node(tmp_path, cache_dir):

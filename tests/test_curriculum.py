@@ -5,7 +5,7 @@ import json
 import run_recipe
 from conftest import FIXTURES
 
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
 
 
 def test_three_stage_run(tmp_path, cache_dir):
@@ -41,8 +41,8 @@ def test_three_stage_run(tmp_path, cache_dir):
 def test_rollback_into_an_earlier_stage_restores_its_rope(tmp_path, cache_dir):
     import torch
 
-    from pretrainer.recipe import load_recipe
-    from pretrainer.trainer import Trainer
+    from pretrainer.recipe.loading import load_recipe
+    from pretrainer.train.trainer import Trainer
 
     recipe = load_recipe(FIXTURES / "micro3.yaml", [f"data.cache_dir={cache_dir}"])
     t = Trainer(recipe, output_dir=tmp_path / "run")

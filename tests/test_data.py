@@ -4,10 +4,10 @@ from conftest import write
 
 from pretrainer.data.readers import read_documents
 from pretrainer.data.sources import resolve_files
+from pretrainer.data.tokenizer import train_bpe
 from pretrainer.data.tokens import token_dtype, tokenize
 from pretrainer.errors import DataError
-from pretrainer.sections import SourceSection
-from pretrainer.tokenizer import train_bpe
+from pretrainer.recipe.sections import SourceSection
 
 
 def test_stdlib_source_reads_real_files():

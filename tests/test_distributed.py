@@ -11,7 +11,7 @@ import torch
 from conftest import step_losses
 from transformers import AutoModelForCausalLM
 
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,11 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 def launch(config: str, out: Path, cache_dir: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
-        "--num_processes", str(processes), "--mixed_precision", "no",
-        "scripts/run_recipe.py", "tests/fixtures/micro.yaml", "--output-dir", str(out),
-        "--set", "precision.mixed=no", "--set", f"data.cache_dir={cache_dir}", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        f"accelerate_configs/{config}",
+        "--num_processes",
+        str(processes),
+        "--mixed_precision",
+        "no",
+        "scripts/run_recipe.py",
+        "tests/fixtures/micro.yaml",
+        "--output-dir",
+        str(out),
+        "--set",
+        "precision.mixed=no",
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -43,12 +57,30 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     assert val[-1] < val[0] - 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # gathered from ZeRO-3 shards
     assert sum(p.numel() for p in model.parameters()) > 0
-    bpb = [m["eval/heldout_python_bpb/bits_per_byte"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m
-           and "eval/heldout_python_bpb/bits_per_byte" in m]  # fmt: skip
+    bpb = [
+        m["eval/heldout_python_bpb/bits_per_byte"]
+        for m in read_jsonl(out / "metrics.jsonl")
+        if "val/avg" in m and "eval/heldout_python_bpb/bits_per_byte" in m
+    ]
     assert len(bpb) == 2 and bpb[1] < bpb[0]  # at step 0 (untrained) and at the end
-    offline = subprocess.run([sys.executable, "scripts/eval_checkpoint.py", str(out / "final"), "--tasks",
-                              "heldout_python_bpb", "--include-path", "eval_tasks", "--limit", "8", "--json"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    offline = subprocess.run(
+        [
+            sys.executable,
+            "scripts/eval_checkpoint.py",
+            str(out / "final"),
+            "--tasks",
+            "heldout_python_bpb",
+            "--include-path",
+            "eval_tasks",
+            "--limit",
+            "8",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert offline.returncode == 0, offline.stderr[-3000:]
     assert json.loads(offline.stdout)["scores"]["eval/heldout_python_bpb/bits_per_byte"] == pytest.approx(
         bpb[1], abs=1e-4
@@ -109,7 +141,7 @@ def test_zero_save_kill_resume_export(tmp_path, cache_dir, z3_ref, config):
     assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) <= 1e-6
 
     from pretrainer.checkpoint import list_checkpoints, verify
-    from pretrainer.export import export_checkpoint
+    from pretrainer.checkpoint.export import export_checkpoint
 
     last = list_checkpoints(out / "checkpoints")[-1].path
     manifest = json.loads((last / "manifest.json").read_text())["files"]
@@ -199,8 +231,14 @@ def test_crafted_deepspeed_checkpoint_never_runs_code(tmp_path, cache_dir):
     assert "refused to unpickle code" in proc.stderr
     assert not marker.exists()
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    exp = subprocess.run([sys.executable, "scripts/export_checkpoint.py", str(last), str(tmp_path / "hf")], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    exp = subprocess.run(
+        [sys.executable, "scripts/export_checkpoint.py", str(last), str(tmp_path / "hf")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert exp.returncode == 2 and "cannot be read without unpickling" in exp.stderr, exp.stderr[-3000:]
     assert "Traceback" not in exp.stderr
     assert not marker.exists()
@@ -213,9 +251,24 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
 
     def run(out, *extra):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "scripts/run_recipe.py", "tests/fixtures/micro.yaml", "--output-dir", str(out),
-               "--set", f"data.cache_dir={cache_dir}", "--set", "checkpoint.async=true", *CKPT, *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "scripts/run_recipe.py",
+            "tests/fixtures/micro.yaml",
+            "--output-dir",
+            str(out),
+            "--set",
+            f"data.cache_dir={cache_dir}",
+            "--set",
+            "checkpoint.async=true",
+            *CKPT,
+            *extra,
+        ]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
     ref, out = tmp_path / "ref", tmp_path / "run"

@@ -9,8 +9,8 @@ import torch
 from conftest import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pretrainer.context import context_verdict, position_buckets, position_table
-from pretrainer.downstream import copy_holding
+from pretrainer.evaluation.context import context_verdict, position_buckets, position_table
+from pretrainer.evaluation.downstream import copy_holding
 
 
 def test_position_buckets_double_and_cover_the_window():
@@ -50,8 +50,15 @@ def copy_docs(n: int, length: int, gen: torch.Generator, period: int = 16, vocab
 def trained_llama(seq_len: int) -> LlamaForCausalLM:
     """A 2-layer RoPE Llama trained on the copy task at `seq_len`, advertising 256 positions."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, max_position_embeddings=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        max_position_embeddings=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     model = LlamaForCausalLM(config)
     opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
     for _ in range(300):
@@ -83,10 +90,10 @@ def test_val_ref_is_the_same_batches_whatever_the_stage(micro_recipe, cache_dir)
     from accelerate import Accelerator
 
     from pretrainer.data.pipeline import get_tokenizer, load_sources
-    from pretrainer.evaluation import Evaluator
-    from pretrainer.masking import plain_inputs
-    from pretrainer.model import build_config, build_model
-    from pretrainer.recipe import load_recipe
+    from pretrainer.evaluation.validation import Evaluator
+    from pretrainer.model.build import build_config, build_model
+    from pretrainer.model.masking import plain_inputs
+    from pretrainer.recipe.loading import load_recipe
 
     recipe = load_recipe(micro_recipe, [f"data.cache_dir={cache_dir}", "model.config.max_position_embeddings=256"])
     tok = get_tokenizer(recipe)
@@ -116,8 +123,20 @@ def tiny_run(tmp_path_factory, cache_dir):
     out, cwd = tmp_path_factory.mktemp("tiny") / "run", os.getcwd()
     os.chdir(ROOT)
     try:
-        assert run_recipe.main(["recipes/tiny.yaml", "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
-                                "--set", "logging.report_to=[]"]) == 0  # fmt: skip
+        assert (
+            run_recipe.main(
+                [
+                    "recipes/tiny.yaml",
+                    "--output-dir",
+                    str(out),
+                    "--set",
+                    f"data.cache_dir={cache_dir}",
+                    "--set",
+                    "logging.report_to=[]",
+                ]
+            )
+            == 0
+        )
     finally:
         os.chdir(cwd)
     return out
@@ -126,7 +145,7 @@ def tiny_run(tmp_path_factory, cache_dir):
 def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     import check_run
 
-    from pretrainer.health import load_run
+    from pretrainer.observe.health import load_run
 
     evals = load_run(tiny_run)["evals"]
     assert [m["step"] for m in evals] == [0, 50, 100, 150, 180, 200, 220]  # every 50 steps and at each stage end
@@ -152,7 +171,7 @@ def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run
     import eval_checkpoint
 
     from pretrainer.checkpoint import list_checkpoints
-    from pretrainer.health import load_run
+    from pretrainer.observe.health import load_run
 
     evals = {m["step"]: m for m in load_run(tiny_run)["evals"]}
     bpb = "eval/heldout_python_bpb/bits_per_byte"
@@ -160,8 +179,15 @@ def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run
     assert trained < 0.8 * untrained, (untrained, trained)  # Python the run never saw, read 20%+ better
     last = list_checkpoints(tiny_run / "checkpoints")[-1].path
     assert last.name == "step_00000220"
-    args = [str(last), "--tasks", "heldout_python_bpb", "heldout_python_next_line", "--include-path",
-            str(ROOT / "eval_tasks"), "--json"]  # fmt: skip
+    args = [
+        str(last),
+        "--tasks",
+        "heldout_python_bpb",
+        "heldout_python_next_line",
+        "--include-path",
+        str(ROOT / "eval_tasks"),
+        "--json",
+    ]
     assert eval_checkpoint.main(args) == 0
     offline = json.loads(capsys.readouterr().out)["scores"]
     for k, v in offline.items():
@@ -200,8 +226,17 @@ def test_heldout_task_builder_writes_well_formed_tasks(tmp_path):
 
 
 def test_a_gathered_bf16_state_makes_a_bf16_copy():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))  # fmt: skip
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    )
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     copy = copy_holding(model, state, "cpu")
     assert torch.get_default_dtype() == torch.float32  # put back

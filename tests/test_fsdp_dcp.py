@@ -22,8 +22,18 @@ def run(out: Path, procs: int, *extra: str, kill_at: str | None = None) -> subpr
     env.pop("PRETRAINER_KILL_AT", None)
     if kill_at:
         env["PRETRAINER_KILL_AT"] = kill_at
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
-           "tests/fixtures/fsdp_dcp.py", "--out", str(out), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(procs),
+        "tests/fixtures/fsdp_dcp.py",
+        "--out",
+        str(out),
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -101,7 +111,7 @@ def test_dcp_checkpoint_exports_as_a_hf_model(ref, tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from pretrainer.export import export_checkpoint
+    from pretrainer.checkpoint.export import export_checkpoint
 
     ckpt = tmp_path / "step_00000012"
     shutil.copytree(ref / "checkpoints" / "step_00000012", ckpt)

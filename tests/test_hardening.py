@@ -23,9 +23,9 @@ from pretrainer import checkpoint as ck
 from pretrainer.checkpoint.safe_load import UnsafeCheckpoint, weights_only
 from pretrainer.data.sources import source_key
 from pretrainer.errors import RecipeError
-from pretrainer.recipe import load_recipe
-from pretrainer.sections import SourceSection
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
+from pretrainer.recipe.loading import load_recipe
+from pretrainer.recipe.sections import SourceSection
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = (FIXTURES / "micro.yaml").read_text().replace("inherit: ../../", f"inherit: {ROOT}/")
@@ -118,8 +118,17 @@ def test_resume_into_another_model_shape_is_one_line(tmp_path, cache_dir, capsys
     assert run_recipe.main(cli(out, cache_dir)) == 0
     capsys.readouterr()
     last = ck.list_checkpoints(out / "checkpoints")[-1].path
-    rc = run_recipe.main(cli(out, cache_dir, "--resume", str(last), "--set", "model.config.intermediate_size=96",
-                             "--allow-recipe-change"))  # fmt: skip
+    rc = run_recipe.main(
+        cli(
+            out,
+            cache_dir,
+            "--resume",
+            str(last),
+            "--set",
+            "model.config.intermediate_size=96",
+            "--allow-recipe-change",
+        )
+    )
     assert rc == 2
     assert "does not fit this recipe's model: size mismatch" in one_line_error(capsys)
 
@@ -162,11 +171,19 @@ def test_numbers_in_the_text_field_are_one_line(tmp_path, capsys):
     data = tmp_path / "nums.jsonl"
     data.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(50)))
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(MICRO.replace('type: python_stdlib\n      include: ["json/*.py", "email/*.py", "collections/*.py", '
-                                    '"importlib/*.py"]', f'type: files\n      include: ["{data}"]'))  # fmt: skip
+    recipe.write_text(
+        MICRO.replace(
+            'type: python_stdlib\n      include: ["json/*.py", "email/*.py", "collections/*.py", "importlib/*.py"]',
+            f'type: files\n      include: ["{data}"]',
+        )
+    )
     assert "type: files" in recipe.read_text()
-    assert run_recipe.main([str(recipe), "--output-dir", str(tmp_path / "o"), "--set",
-                            f"data.cache_dir={tmp_path / 'c'}"]) == 2  # fmt: skip
+    assert (
+        run_recipe.main(
+            [str(recipe), "--output-dir", str(tmp_path / "o"), "--set", f"data.cache_dir={tmp_path / 'c'}"]
+        )
+        == 2
+    )
     assert "data.sources.stdlib.text_field: 'text' holds int values, not text" in one_line_error(capsys)
 
 
@@ -182,9 +199,17 @@ def saved(tmp_path_factory, cache_dir):
 
 @pytest.mark.parametrize(
     "damage",
-    ["garbage_manifest", "empty_manifest", "list_manifest", "latin1_meta", "meta_no_step", "meta_str_step",
-     "manifest_lists_nothing", "no_meta"],
-)  # fmt: skip
+    [
+        "garbage_manifest",
+        "empty_manifest",
+        "list_manifest",
+        "latin1_meta",
+        "meta_no_step",
+        "meta_str_step",
+        "manifest_lists_nothing",
+        "no_meta",
+    ],
+)
 def test_damaged_checkpoints_are_skipped_with_a_reason(damage, saved, tmp_path, cache_dir, capsys):
     import shutil
 
@@ -273,8 +298,11 @@ def test_a_second_run_in_the_same_directory_is_refused(tmp_path, cache_dir, caps
 def test_sigterm_before_the_loop_exits_75(tmp_path, cache_dir):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "scripts/run_recipe.py", *cli(out, cache_dir, "--set", "eval.every_steps=5",
-                                                          "--set", "eval.max_batches=400")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "scripts/run_recipe.py",
+        *cli(out, cache_dir, "--set", "eval.every_steps=5", "--set", "eval.max_batches=400"),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not any(e["event"] == "run_start" for e in read_jsonl(out / "events.jsonl")):
@@ -302,8 +330,23 @@ def _mutate(rng: random.Random, data):
     parent = data
     for k in path[:-1]:
         parent = parent[k]
-    choices = [None, -1, 0, 10**30, 1e308, "x" * rng.choice([1, 10_000]), [], {}, [1, [2, [3]]], True, "ünï",
-               {"nested": {"deep": [None] * 3}}, float("nan"), "1e-3", [{"a": 1}] * 5]  # fmt: skip
+    choices = [
+        None,
+        -1,
+        0,
+        10**30,
+        1e308,
+        "x" * rng.choice([1, 10_000]),
+        [],
+        {},
+        [1, [2, [3]]],
+        True,
+        "ünï",
+        {"nested": {"deep": [None] * 3}},
+        float("nan"),
+        "1e-3",
+        [{"a": 1}] * 5,
+    ]
     if rng.random() < 0.2 and isinstance(parent, dict):
         del parent[path[-1]]
     elif rng.random() < 0.1 and isinstance(parent, dict):

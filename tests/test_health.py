@@ -11,7 +11,7 @@ import pytest
 import run_recipe
 from conftest import FIXTURES
 
-from pretrainer.health import report, verdict
+from pretrainer.observe.health import report, verdict
 
 
 def curve(n=400, seed=0, floor=2.0):
@@ -64,8 +64,20 @@ def test_stalled():
 
 def test_report_plot_and_trainer_health_events(tmp_path, cache_dir, capsys):
     out = tmp_path / "run"
-    assert run_recipe.main([str(FIXTURES / "micro.yaml"), "--output-dir", str(out),
-                            "--set", f"data.cache_dir={cache_dir}", "--set", "eval.every_steps=10"]) == 0  # fmt: skip
+    assert (
+        run_recipe.main(
+            [
+                str(FIXTURES / "micro.yaml"),
+                "--output-dir",
+                str(out),
+                "--set",
+                f"data.cache_dir={cache_dir}",
+                "--set",
+                "eval.every_steps=10",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()  # the run's own console blocks
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     health = [e for e in events if e["event"] == "health"]
@@ -100,7 +112,7 @@ def test_no_verdict_flip_from_noise(seed):
 def test_report_uses_the_live_rule_on_the_logged_curve():
     """check_run.py judges spikes as the live detector does: a 3-step rise of 5 noise sd that came back is a
     recovered spike even with no events; one that never came back is divergence."""
-    from pretrainer.spikes import spike_episodes
+    from pretrainer.train.spikes import spike_episodes
 
     losses = curve(n=600, seed=3)
     bumped = [(s, v + (0.25 if 400 <= s < 403 else 0.0)) for s, v in losses]  # noise sd is 0.05

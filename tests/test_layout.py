@@ -1,4 +1,5 @@
-"""The library stays readable: small modules, short functions, public names across modules, no import cycles."""
+"""The library stays readable: subpackages by concern, modules of one sitting, public names across modules, no import
+cycles, no function-level imports of the package."""
 
 import ast
 from pathlib import Path
@@ -23,15 +24,31 @@ def resolve(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def test_module_and_function_sizes():
+def test_layout_shows_the_architecture():
+    """Subpackages by concern, each saying what it holds; only cross-cutting leaves at the top."""
+    packages = {p.parent.name for p in SRC.glob("*/__init__.py")}
+    assert packages == {"recipe", "train", "checkpoint", "data", "evaluation", "observe", "model"}, packages
+    for pkg in packages:
+        assert ast.get_docstring(ast.parse((SRC / pkg / "__init__.py").read_text())), (
+            f"{pkg}/__init__.py: no docstring"
+        )
+    top = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
+    assert top <= {"errors", "cli", "faults", "files", "runtime"}, f"modules at the top: {sorted(top)}"
+
+
+def test_modules_read_in_one_sitting_and_are_formatted_honestly():
+    """Formatted by ruff (checked by `make quality`), a module stays readable in one sitting: one that outgrows
+    ~450 lines is split by concern, never packed. `# fmt: skip` only where an aligned table reads better."""
+    skips = 0
     for path, tree in modules().values():
-        lines = len(path.read_text().splitlines())
-        assert lines <= 400, f"{path}: {lines} lines"
+        text = path.read_text()
+        skips += text.count("# fmt: skip")
+        assert len(text.splitlines()) <= 450, f"{path}: {len(text.splitlines())} lines: split it by concern"
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = node.end_lineno - node.lineno + 1
-                assert n <= 60, f"{path}:{node.lineno} {node.name}() is {n} lines"
-    assert len((SRC / "trainer.py").read_text().splitlines()) < 300
+                assert n <= 80, f"{path}:{node.lineno} {node.name}() is {n} lines"
+    assert skips <= 5, f"{skips} `# fmt: skip` markers in the library"
 
 
 def test_no_private_imports_and_no_cycles():

@@ -7,8 +7,8 @@ import pytest
 from conftest import FIXTURES
 
 from pretrainer.errors import RecipeError
-from pretrainer.lint import lint
-from pretrainer.recipe import load_recipe
+from pretrainer.recipe.lint import lint
+from pretrainer.recipe.loading import load_recipe
 
 TINY = "recipes/tiny.yaml"
 
@@ -100,14 +100,21 @@ def test_repetition_finding_reads_the_prepared_manifests(cache_dir, capsys):
 def test_fp8_on_hardware_without_it_is_flagged_and_refused(tmp_path, cache_dir, capsys):
     import run_recipe
 
-    from pretrainer.engine import fp8_capable
+    from pretrainer.train.accelerator import fp8_capable
 
     recipe = load_recipe(FIXTURES / "micro.yaml", ["precision.mixed=fp8"])
     assert [f.id for f in lint(recipe, fp8_capable=False)] == ["PT015"]
     assert lint(recipe, fp8_capable=True) == [] and lint(recipe) == []  # unknown hardware is not judged
     if not fp8_capable():
-        argv = [str(FIXTURES / "micro.yaml"), "--output-dir", str(tmp_path / "run"), "--set", "precision.mixed=fp8",
-                "--set", f"data.cache_dir={cache_dir}"]  # fmt: skip
+        argv = [
+            str(FIXTURES / "micro.yaml"),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "precision.mixed=fp8",
+            "--set",
+            f"data.cache_dir={cache_dir}",
+        ]
         assert run_recipe.main(argv) == 2
         assert "precision.mixed: fp8 needs an NVIDIA GPU with fp8 tensor cores" in capsys.readouterr().err
         assert not (tmp_path / "run" / "checkpoints").exists()

@@ -8,15 +8,22 @@ import torch.nn.functional as F
 from conftest import FIXTURES
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pretrainer.masking import document_inputs, plain_inputs
-from pretrainer.tracking import read_jsonl
+from pretrainer.model.masking import document_inputs, plain_inputs
+from pretrainer.observe.tracking import read_jsonl
 
 EOS = 0
 
 
 def model(impl: str):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      max_position_embeddings=64, attn_implementation=impl)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        attn_implementation=impl,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
 
@@ -58,8 +65,17 @@ def test_flash_attention_gets_positions_and_no_mask():
 
 def test_trainer_runs_with_document_masking(tmp_path, cache_dir):
     out = tmp_path / "run"
-    argv = [str(FIXTURES / "micro.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
-            "--set", "data.document_masking=true", "--set", "stages.0.steps=20"]  # fmt: skip
+    argv = [
+        str(FIXTURES / "micro.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        "--set",
+        "data.document_masking=true",
+        "--set",
+        "stages.0.steps=20",
+    ]
     assert run_recipe.main(argv) == 0
     val = [m["val/avg"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m]
     assert val[-1] < val[0] - 0.3

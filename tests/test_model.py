@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from pretrainer.errors import RecipeError
-from pretrainer.model import build_config, build_model, count_params
-from pretrainer.sections import ModelSection
+from pretrainer.model.build import build_config, build_model, count_params
+from pretrainer.recipe.sections import ModelSection
 
 CFG = dict(
     model_type="llama",
@@ -46,8 +46,8 @@ def test_vocab_from_tokenizer_and_errors():
 
 
 def test_stage_rope_changes_rotary_buffers():
-    from pretrainer.model import apply_stage_rope
-    from pretrainer.sections import RopeSection
+    from pretrainer.model.build import apply_stage_rope
+    from pretrainer.recipe.sections import RopeSection
 
     cfg = dict(CFG, max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     sec = ModelSection(config=cfg)
@@ -69,8 +69,16 @@ def test_stage_rope_changes_rotary_buffers():
 
 
 def _llama(**section):
-    cfg = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32}  # fmt: skip
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }
     s = ModelSection(config=cfg, **section)
     torch.manual_seed(0)
     return build_model(s, build_config(s, vocab_size=64))

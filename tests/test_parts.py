@@ -12,11 +12,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer import checkpoint as ck
 from pretrainer.checkpoint import CheckpointManager
-from pretrainer.health import HealthMonitor, report
-from pretrainer.recipe import load_recipe
-from pretrainer.recovery import LEDGER, SpikeHandler
-from pretrainer.sections import CheckpointSection, SpikesSection
-from pretrainer.state import RunState
+from pretrainer.observe.health import HealthMonitor, report
+from pretrainer.recipe.loading import load_recipe
+from pretrainer.recipe.sections import CheckpointSection, SpikesSection
+from pretrainer.train.decisions import Abort, Ok, Rollback
+from pretrainer.train.recovery import LEDGER, SpikeHandler, write_ledger
+from pretrainer.train.resume import check_compatible, choose_checkpoint
+from pretrainer.train.saving import SaveClock
+from pretrainer.train.state import Parts, RunState
 
 
 class Log:
@@ -45,8 +48,15 @@ class Counter:
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -57,16 +67,36 @@ def manager(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     state, counter, log = RunState(), Counter(), Log()
+    parts = Parts()
+    parts.register("counter", counter)
     section = CheckpointSection(keep_last=2, every_tokens=100, every_minutes=None)
-    mgr = CheckpointManager(acc, section, tmp_path / "checkpoints", model=model, optimizer=opt, state=state,
-                            parts={"counter": counter}, recipe={"optimizer": {"lr": 0.001}}, recipe_hash="abc",
-                            stage_names=["main"], log=log,
-                            extra_files={"tokenizer": lambda d: (d.mkdir(), (d / "t.json").write_text("{}"))})  # fmt: skip
-    return mgr, model, state, counter, log
+    mgr = CheckpointManager(
+        acc,
+        section,
+        tmp_path / "checkpoints",
+        model=model,
+        optimizer=opt,
+        log=log,
+        extra_files={"tokenizer": lambda d: (d.mkdir(), (d / "t.json").write_text("{}"))},
+    )
+    return mgr, model, state, parts, counter, log, SaveClock(section, acc)
+
+
+def meta_of(state: RunState, parts: Parts, recipe=None) -> dict:
+    """What the loop saves: the run state at the top level, each part under its name, the recipe."""
+    recipe = recipe or {"optimizer": {"lr": 0.001}}
+    return {
+        **state.state_dict(),
+        **parts.state_dict(),
+        "stage": "main",
+        "reason": "tokens",
+        "recipe": recipe,
+        "recipe_hash": "abc",
+    }
 
 
 def test_manager_saves_parts_prunes_and_restores_alone(manager):
-    mgr, model, state, counter, log = manager
+    mgr, model, state, parts, counter, log, clock = manager
     weights = {}
     for s in (1, 2, 3):
         state.step, state.tokens, counter.n = s, s * 100, s * 10
@@ -74,8 +104,8 @@ def test_manager_saves_parts_prunes_and_restores_alone(manager):
         with torch.no_grad():
             next(model.parameters()).add_(1.0)
         weights[s] = next(model.parameters()).detach().clone()
-        assert mgr.due((s - 1) * 100, s * 100, stage_end=False, log_step=False) == "tokens"
-        mgr.save("tokens")
+        assert clock.due((s - 1) * 100, s * 100, stage_end=False, log_step=False) == "tokens"
+        mgr.save(meta_of(state, parts))
     names = [c.path.name for c in ck.list_checkpoints(mgr.root)]
     assert names == ["step_00000002", "step_00000003"]  # keep_last 2
     assert log.kinds().count("checkpoint") == 3 and log.kinds().count("prune") == 1
@@ -84,73 +114,56 @@ def test_manager_saves_parts_prunes_and_restores_alone(manager):
     assert meta["recipe_hash"] == "abc" and (mgr.root / "step_00000003" / "tokenizer" / "t.json").exists()
     assert ck.verify(mgr.root / "step_00000003") == []
 
-    restored = mgr.restore(mgr.root / "step_00000002")
+    restored = mgr.load(mgr.root / "step_00000002")  # the store loads weights; the loop hands meta to the parts
+    state.load_state_dict(restored.meta)
+    parts.load_state_dict(restored.meta)
     assert restored.step == 2 and state.step == 2 and state.tokens == 200 and counter.n == 20
     assert state.skips == [[0, 1, 1], [0, 2, 2]]
     assert torch.equal(next(model.parameters()), weights[2])
+    # a rollback rewinds the position but keeps every skip known now (the ledger is history)
+    state.add_skip(0, 9, 9)
+    state.rewind(mgr.load(mgr.root / "step_00000002").meta)
+    assert state.step == 2 and state.skips == [[0, 1, 1], [0, 2, 2], [0, 9, 9]]
 
 
-def test_manager_protection_rollback_target_and_resume_choice(manager):
-    mgr, model, state, counter, log = manager
+def test_manager_protection_rollback_target_and_resume_choice(manager, tmp_path):
+    mgr, model, state, parts, counter, log, clock = manager
     for s in (1, 2, 3, 4):
         state.step, state.tokens = s, s * 100
-        if s == 1:
-            mgr.save("tokens")
-            mgr.protect("step_00000001")  # an open spike episode's target survives pruning
-        else:
-            mgr.save("tokens")
+        # an open spike episode's target (step 1) survives pruning while the loop names it protected
+        mgr.save(meta_of(state, parts), protected={"step_00000001"})
     assert [c.meta["step"] for c in ck.list_checkpoints(mgr.root)] == [1, 3, 4]
-    assert mgr.rollback_target(max_step=2) == mgr.root / "step_00000001"
-    assert mgr.rollback_target(max_step=0) is None
-    mgr.release("step_00000001")
+    assert mgr.newest_good(max_step=2) == mgr.root / "step_00000001"
+    assert mgr.newest_good(max_step=0) is None
     state.step, state.tokens = 5, 500
-    mgr.save("tokens")
+    mgr.save(meta_of(state, parts))  # the episode closed: nothing protected
     assert [c.meta["step"] for c in ck.list_checkpoints(mgr.root)] == [4, 5]
     # a corrupted newest checkpoint is skipped by --resume auto, with the reason logged
     f = mgr.root / "step_00000005" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-10])
-    restored = mgr.resume("auto", allow_recipe_change=False)
-    assert restored.step == 4 and "resume_skip" in log.kinds()
+    path = choose_checkpoint(mgr, "auto", ledger=None)
+    assert mgr.load(path).step == 4 and "resume_skip" in log.kinds()
     # a recipe that changed what is trained is refused unless allowed
-    mgr.recipe = {"optimizer": {"lr": 0.002}}
     with pytest.raises(Exception, match=r"optimizer.lr: 0.001 -> 0.002"):
-        mgr.resume("auto", allow_recipe_change=False)
+        check_compatible(path, {"optimizer": {"lr": 0.002}}, False, log, tmp_path, True)
+    check_compatible(path, {"optimizer": {"lr": 0.002}}, True, log, tmp_path, True)
+    assert "recipe_change" in log.kinds() and (tmp_path / "recipe.step_00000004.yaml").exists()
 
 
-class FakeCheckpoints:
-    """The Checkpoints port: one good checkpoint at step 10 whose restore puts the run state back there."""
-
-    def __init__(self, state: RunState):
-        self.state, self.protected, self.restores = state, set(), []
-
-    def rollback_target(self, max_step):
-        return Path("/ckpts/step_00000010") if max_step >= 10 else None
-
-    def verify(self, path):
-        return []
-
-    def restore(self, path):
-        self.restores.append(path)
-        self.state.step, self.state.skips = 10, []
-        return path
-
-    def protect(self, name):
-        self.protected.add(name)
-
-    def release(self, name):
-        self.protected.discard(name)
-
-
-def test_spike_handler_rolls_back_then_skips_the_blamed_samples(tmp_path):
-    state, log = RunState(), Log()
-    port = FakeCheckpoints(state)
+def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
+    """The handler only decides: it returns Rollback (target, skips) and never touches checkpoints or the state."""
+    log, found = Log(), []
     poisoned = set(range(1204, 1208))
+
+    def find_target(max_step):
+        found.append(max_step)
+        return Path("/ckpts/step_00000010") if max_step >= 10 else None
 
     def sample_losses(stage, cursor, skips):  # 8 samples per step; the poisoned ones stand out
         idx = list(range(cursor, cursor + 8))
         return idx, [9.0 if i in poisoned else 3.0 + 0.01 * (i % 3) for i in idx]
 
-    h = SpikeHandler(SpikesSection(), state, port, sample_losses, log, lambda *a: None, tmp_path)
+    h = SpikeHandler(SpikesSection(), find_target, sample_losses, log, lambda *a: None)
     h.start_grace(0)
     rng = np.random.default_rng(0)
 
@@ -158,26 +171,53 @@ def test_spike_handler_rolls_back_then_skips_the_blamed_samples(tmp_path):
         for s in range(first, last + 1):
             h.record(s, 0, (s - 1) * 8)
             loss = 3.0 + 0.01 * rng.standard_normal() + (3.0 if s in spiky else 0.0)
-            if h.after_step(s, loss, 1.0) is not None:
-                return s
-        return None
+            d = h.after_step(s, loss, 1.0, skips=[])
+            if not isinstance(d, Ok):
+                return s, d
+        return None, None
 
-    # a 3-step spike from step 151 on: rolled back to the only checkpoint before it, which is then protected
-    assert run(1, 200, spiky={151, 152, 153}) == 153
-    assert port.restores == [Path("/ckpts/step_00000010")] and port.protected == {"step_00000010"}
-    assert log.kinds().count("spike") == 1 and log.kinds().count("rollback") == 1
-    # the replay spikes again on the same steps: the blamed samples go to the ledger, and back again
-    healthy = {"history": [[s, 3.0 + 0.01 * rng.standard_normal()] for s in range(51, 151)], "grace_until": 0,
-               "run": []}  # fmt: skip
-    h.detector.load_state_dict(healthy)  # what the manager's restore gives the detector back
-    assert run(151, 160, spiky={151, 152, 153}) == 153
-    assert state.skips == [[0, 1204, 1207]]  # step 151's batch starts at sample 1200; 1204..1207 were poisoned
+    # a 3-step spike from step 151 on: roll back to the only checkpoint before it, which is then protected
+    step, d = run(1, 200, spiky={151, 152, 153})
+    assert step == 153 and d == Rollback(Path("/ckpts/step_00000010"), 153, ())
+    assert h.protected() == {"step_00000010"}
+    assert log.kinds().count("spike") == 1
+    # the loop rewinds the parts from the checkpoint: the detector's trend comes back, the episode stays open
+    healthy = {
+        "history": [[s, 3.0 + 0.01 * rng.standard_normal()] for s in range(51, 151)],
+        "grace_until": 0,
+        "run": [],
+    }
+    h.rewind({"detector": healthy, "pending": None, "rollbacks": []})
+    assert h.pending is not None and h.rollback_steps == [153]
+    # the replay spikes again on the same steps: roll back again, with the blamed samples as skips
+    step, d = run(151, 160, spiky={151, 152, 153})
+    assert step == 153 and isinstance(d, Rollback) and d.skips == ((0, 1204, 1207),)
+    # step 151's batch starts at sample 1200; 1204..1207 were poisoned
+    write_ledger(tmp_path, [list(x) for x in d.skips], h.state_dict())
     ledger = json.loads((tmp_path / LEDGER).read_text())
     assert ledger["skips"] == [[0, 1204, 1207]] and ledger["pending"]["onset"] == 151
     # a healthy replay past confirm_steps closes the episode and releases the target
-    h.detector.load_state_dict(healthy)
-    assert run(151, 170, spiky=set()) is None
-    assert "transient" in log.kinds() and port.protected == set()
+    h.rewind({"detector": healthy})
+    assert run(151, 170, spiky=set()) == (None, None)
+    assert "transient" in log.kinds() and h.protected() == frozenset()
+
+
+def test_spike_handler_aborts_past_the_rollback_limit_and_without_a_target():
+    h = SpikeHandler(SpikesSection(max_rollbacks=1), lambda m: Path("/c/step_00000001"), None, Log(), print)
+    h.rollback_steps = [100]
+    d = h._rollback(Path("/c/step_00000001"), 150, ())
+    assert isinstance(d, Abort) and d.exit_code == 76 and "1 rollbacks within 1000 steps" in d.message
+    h = SpikeHandler(SpikesSection(), lambda m: None, None, Log(), lambda *a: None)
+    h.detector.start_grace(0)
+    d = h.after_step(30, float("nan"), 1.0, skips=[])
+    assert isinstance(d, Abort) and "no checkpoint from before step 29" in d.message
+
+
+def test_parts_registry_refuses_a_second_part_of_one_name():
+    parts = Parts()
+    parts.register("c", Counter())
+    with pytest.raises(ValueError, match="already registered"):
+        parts.register("c", Counter())
 
 
 def test_run_plan_is_derived_once_and_read_everywhere():

@@ -16,9 +16,9 @@ from pretrainer.data.readers import source_files
 from pretrainer.data.tokenfiles import SplitTokens, TokenFiles
 from pretrainer.data.tokens import TokenArrays
 from pretrainer.errors import DataError
-from pretrainer.recipe import load_recipe
-from pretrainer.sections import SourceSection
-from pretrainer.stages import stage_spans
+from pretrainer.recipe.loading import load_recipe
+from pretrainer.recipe.sections import SourceSection
+from pretrainer.recipe.stages import stage_spans
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,8 @@ def test_engine_equals_inline_and_tasks_do_not_matter(setup, tmp_path):
     src_a = {n: SourceData(sa["train"], sa["val"]) for n in ("stdlib", "curated")}
     src_b = {n: SourceData(sb["train"], sb["val"]) for n in ("stdlib", "curated")}
     for span in stage_spans(recipe)[:2]:
-        ba, _, _ = StageBatches(recipe, span, src_a).step_batches(5, 0, 1)
-        bb, _, _ = StageBatches(recipe, span, src_b).step_batches(5, 0, 1)
+        ba, _, _ = StageBatches(recipe.stages[span.index], span, src_a, recipe.run.seed).step_batches(5, 0, 1)
+        bb, _, _ = StageBatches(recipe.stages[span.index], span, src_b, recipe.run.seed).step_batches(5, 0, 1)
         assert all((x == y).all() for x, y in zip(ba, bb))
 
 
@@ -85,8 +85,15 @@ def test_validation_split_is_by_document_id():
 
 def test_killed_preparation_resumes_file_by_file(setup, tmp_path):
     recipe, tok, cache = setup
-    args = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(FIXTURES / "micro3.yaml"), "--set",
-            f"data.cache_dir={tmp_path / 'c'}", "--workers", "1"]  # fmt: skip
+    args = [
+        sys.executable,
+        str(ROOT / "scripts" / "prepare_data.py"),
+        str(FIXTURES / "micro3.yaml"),
+        "--set",
+        f"data.cache_dir={tmp_path / 'c'}",
+        "--workers",
+        "1",
+    ]
     env = {**os.environ, "PRETRAINER_KILL_AT": "prepare_file#3"}
     # As a scheduler kills a job: the whole process group (datatrove's manager process would outlive its parent).
     with open(tmp_path / "killed.log", "w") as log:
@@ -121,8 +128,9 @@ def test_large_or_hub_source_is_not_tokenized_inside_the_run(setup, tmp_path):
     r = load_recipe(FIXTURES / "micro3.yaml", [f"data.cache_dir={tmp_path}", "data.inline_max_mb=0.01"])
     with pytest.raises(DataError, match=r"data.sources.stdlib: not prepared, and .* MB is too much .*prepare_data.py"):
         load_sources(r, tok)
-    hub = load_recipe(FIXTURES / "micro3.yaml", [f"data.cache_dir={tmp_path}",
-                                                 "data.sources.stdlib={type: hub, path: org/big}"])  # fmt: skip
+    hub = load_recipe(
+        FIXTURES / "micro3.yaml", [f"data.cache_dir={tmp_path}", "data.sources.stdlib={type: hub, path: org/big}"]
+    )
     with pytest.raises(DataError, match=r"hub dataset 'org/big' is not prepared; run `python scripts/prepare_data.py"):
         load_sources(hub, tok)
 
@@ -209,8 +217,12 @@ def test_slurm_submission_then_array_tasks_then_manifest(setup, tmp_path, monkey
     for task in range(n_files):
         with open(pik, "rb") as f:
             executor = dill.load(f)
-        for key, value in {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_NODELIST": "node1", "SLURM_NODEID": "0",
-                           "SLURM_JOB_ID": "4242"}.items():  # fmt: skip
+        for key, value in {
+            "SLURM_ARRAY_TASK_ID": str(task),
+            "SLURM_NODELIST": "node1",
+            "SLURM_NODEID": "0",
+            "SLURM_JOB_ID": "4242",
+        }.items():
             monkeypatch.setenv(key, value)
         executor.run()
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID")

@@ -3,7 +3,7 @@ import yaml
 from conftest import write
 
 from pretrainer.errors import RecipeError
-from pretrainer.recipe import dump_recipe, load_recipe
+from pretrainer.recipe.loading import dump_recipe, load_recipe
 
 BASE = """
 model:

@@ -7,7 +7,7 @@ import run_recipe
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
 
 
 def run(recipe, out, cache_dir, *extra):

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from pretrainer.recipe import load_recipe
-from pretrainer.schedules import LRController, cosine, lr_at, wsd
+from pretrainer.recipe.loading import load_recipe
+from pretrainer.recipe.schedules import LRController, cosine, lr_at, wsd
 
 ROOT_1B = "recipes/1b_cosine.yaml"
 

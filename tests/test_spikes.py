@@ -13,8 +13,8 @@ import run_recipe
 from conftest import FIXTURES
 
 from pretrainer import checkpoint as ck
-from pretrainer.spikes import SpikeDetector, outliers, sample_ranges
-from pretrainer.tracking import read_jsonl
+from pretrainer.observe.tracking import read_jsonl
+from pretrainer.train.spikes import SpikeDetector, outliers, sample_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,15 +64,40 @@ def test_blame_helpers():
 
 # ---------------------------------------------------------------------------- end to end
 
-SPIKY = ["--set", "stages.0.steps=48", "--set", "eval.every_steps=0", "--set", "checkpoint.every_tokens=4096",
-         "--set", "checkpoint.keep_last=4", "--set", "spikes.window=20", "--set", "spikes.min_history=8",
-         "--set", "spikes.grace_steps=4", "--set", "spikes.persistence=2", "--set", "spikes.threshold=4",
-         "--set", "spikes.confirm_steps=3"]  # fmt: skip
+SPIKY = [
+    "--set",
+    "stages.0.steps=48",
+    "--set",
+    "eval.every_steps=0",
+    "--set",
+    "checkpoint.every_tokens=4096",
+    "--set",
+    "checkpoint.keep_last=4",
+    "--set",
+    "spikes.window=20",
+    "--set",
+    "spikes.min_history=8",
+    "--set",
+    "spikes.grace_steps=4",
+    "--set",
+    "spikes.persistence=2",
+    "--set",
+    "spikes.threshold=4",
+    "--set",
+    "spikes.confirm_steps=3",
+]
 
 
 def cli(out, cache_dir, *extra):
-    return [str(FIXTURES / "micro.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
-            *SPIKY, *extra]  # fmt: skip
+    return [
+        str(FIXTURES / "micro.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *SPIKY,
+        *extra,
+    ]
 
 
 def events(out, kind):
@@ -97,8 +122,9 @@ def test_clean_run_has_no_spikes(clean):
 def test_data_linked_spike_is_skipped(clean, tmp_path, cache_dir):
     # step 30 draws samples 464..479, step 31 480..495: poison 6 of each
     out = tmp_path / "run"
-    rc = run_recipe.main(cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]",
-                             "--set", "spikes.skip_margin=1"))  # fmt: skip
+    rc = run_recipe.main(
+        cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]", "--set", "spikes.skip_margin=1")
+    )
     assert rc == 0
     spikes, rollbacks, skips = events(out, "spike"), events(out, "rollback"), events(out, "skip")
     assert len(spikes) == 2 and len(rollbacks) == 2  # detected, rolled back, recurred, rolled back
@@ -135,8 +161,9 @@ def test_nan_never_reaches_the_optimizer(tmp_path, cache_dir):
 
 def test_rollback_bound_stops_with_exit_76(tmp_path, cache_dir, capsys):
     out = tmp_path / "run"
-    rc = run_recipe.main(cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]",
-                             "--set", "spikes.max_rollbacks=1"))  # fmt: skip
+    rc = run_recipe.main(
+        cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]", "--set", "spikes.max_rollbacks=1")
+    )
     assert rc == 76
     assert "rollbacks within 1000 steps" in capsys.readouterr().err
     assert events(out, "rollback_limit")
@@ -193,14 +220,30 @@ def test_stage_shift_is_not_a_spike_and_judging_resumes_quickly():
     assert b.run_detector(SpikeDetector, losses, b.BOUNDARY, start=b.BOUNDARY - 300) == [b.BOUNDARY + 25]
 
 
-TINY_ONE_STAGE = ["--set", "stages=[{name: main, steps: 100, seq_len: 256, mixture: {modules: 0.6, packages: 0.3, "
-                  "curated: 0.1}}]", "--set", "schedule.decay_stage=null", "--set", "checkpoint.every_tokens=81920",
-                  "--set", "eval.every_steps=50", "--set", "logging.report_to=[]"]  # fmt: skip
+TINY_ONE_STAGE = [
+    "--set",
+    "stages=[{name: main, steps: 100, seq_len: 256, mixture: {modules: 0.6, packages: 0.3, curated: 0.1}}]",
+    "--set",
+    "schedule.decay_stage=null",
+    "--set",
+    "checkpoint.every_tokens=81920",
+    "--set",
+    "eval.every_steps=50",
+    "--set",
+    "logging.report_to=[]",
+]
 
 
 def tiny(out, cache_dir, *extra):
-    return [str(ROOT / "recipes/tiny.yaml"), "--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}",
-            *TINY_ONE_STAGE, *extra]  # fmt: skip
+    return [
+        str(ROOT / "recipes/tiny.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *TINY_ONE_STAGE,
+        *extra,
+    ]
 
 
 @pytest.mark.slow  # two 100-step tiny runs, ~270 s: in `make test-slow`, which CI runs too

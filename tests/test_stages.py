@@ -2,9 +2,9 @@ import pytest
 from conftest import FIXTURES
 
 from pretrainer.errors import RecipeError
-from pretrainer.recipe import load_recipe
-from pretrainer.schedules import lr_at
-from pretrainer.stages import grad_accum_steps, stage_at, stage_spans, total_steps
+from pretrainer.recipe.loading import load_recipe
+from pretrainer.recipe.schedules import lr_at
+from pretrainer.recipe.stages import grad_accum_steps, stage_at, stage_spans, total_steps
 
 
 def test_stage_map_is_pure_and_batch_fixed_in_tokens():
@@ -42,7 +42,7 @@ def test_tokens_stage_rounds_up_to_whole_steps():
 
 def test_mixture_normalized_with_warning_and_undefined_source():
     r = load_recipe(FIXTURES / "micro3.yaml", ["stages.0.mixture={stdlib: 3, curated: 1}"])
-    from pretrainer.lint import lint
+    from pretrainer.recipe.lint import lint
 
     assert any(f.id == "PT009" and f.field == "stages.0.mixture" and "sum to 4" in f.message for f in lint(r))
     with pytest.raises(RecipeError, match="source 'books' of stage 'long' is not defined in data.sources"):

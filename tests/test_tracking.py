@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES
 
-from pretrainer.tracking import read_jsonl, tracked
-from pretrainer.wandb_history import history, offline_files
+from pretrainer.observe.tracking import read_jsonl, tracked
+from pretrainer.observe.wandb_history import history, offline_files
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--set", "logging.report_to=[wandb]", "--set", "checkpoint.every_tokens=4096", "--set", "stages.0.steps=24"]
@@ -23,8 +23,17 @@ def launch(out, cache_dir, *extra, kill_at=None):
     env.pop("PRETRAINER_KILL_AT", None)
     if kill_at:
         env["PRETRAINER_KILL_AT"] = kill_at
-    cmd = [sys.executable, "scripts/run_recipe.py", str(FIXTURES / "micro.yaml"), "--output-dir", str(out),
-           "--set", f"data.cache_dir={cache_dir}", *BASE, *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "scripts/run_recipe.py",
+        str(FIXTURES / "micro.yaml"),
+        "--output-dir",
+        str(out),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *BASE,
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -100,7 +109,19 @@ def test_mfu_with_a_peak(tmp_path, cache_dir):
     import run_recipe
 
     out = tmp_path / "run"
-    assert run_recipe.main([str(FIXTURES / "micro.yaml"), "--output-dir", str(out), "--set",
-                            f"data.cache_dir={cache_dir}", "--set", "logging.peak_tflops=0.5"]) == 0  # fmt: skip
+    assert (
+        run_recipe.main(
+            [
+                str(FIXTURES / "micro.yaml"),
+                "--output-dir",
+                str(out),
+                "--set",
+                f"data.cache_dir={cache_dir}",
+                "--set",
+                "logging.peak_tflops=0.5",
+            ]
+        )
+        == 0
+    )
     mfus = [m["mfu"] for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
     assert mfus and all(0 < x < 1 for x in mfus)

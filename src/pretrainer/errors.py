@@ -13,3 +13,9 @@ class RecipeError(PretrainerError):
 
 class DataError(PretrainerError):
     """A data source that is missing, empty or unreadable. The message names the source."""
+
+
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first non-empty line of an exception's message (its type's name when it has none), for one-line errors."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text[:limit] if limit else text

@@ -37,7 +37,23 @@ from .manager import CheckpointManager, Restored
 from .writer import BackgroundWriter, Snapshot
 
 __all__ = [
-    "MANIFEST", "META", "TMP_PREFIX", "BackgroundWriter", "Candidate", "CheckpointError", "CheckpointManager",
-    "Restored", "Snapshot", "fsync_dir", "incomplete_dirs", "list_checkpoints", "newest_valid", "read_meta",
-    "remove_dir", "to_keep", "tokens_crossed", "verify", "write_manifest",
-]  # fmt: skip
+    "MANIFEST",
+    "META",
+    "TMP_PREFIX",
+    "BackgroundWriter",
+    "Candidate",
+    "CheckpointError",
+    "CheckpointManager",
+    "Restored",
+    "Snapshot",
+    "fsync_dir",
+    "incomplete_dirs",
+    "list_checkpoints",
+    "newest_valid",
+    "read_meta",
+    "remove_dir",
+    "to_keep",
+    "tokens_crossed",
+    "verify",
+    "write_manifest",
+]

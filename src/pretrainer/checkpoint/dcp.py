@@ -10,14 +10,13 @@ process group of their own, so they never interleave with the training loop's co
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..runtime import rng_state, set_rng_state
 from .commit import Group
 from .writer import BackgroundWriter
 
@@ -33,25 +32,6 @@ def _dcp():
 
 def _inner(optimizer):
     return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper: DCP wants the torch optimizer
-
-
-def rng_state() -> dict:
-    """RNG states as tensors and plain tuples only, so they load with `weights_only=True`."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    out = {"random": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-           "torch": torch.get_rng_state()}  # fmt: skip
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _warm_stager():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import PretrainerError
+from ..files import atomic_write_json
 from . import integrity
 
 MANIFEST = "manifest.json"
@@ -55,17 +56,17 @@ def write_manifest(directory: Path, files: dict[str, dict] | None = None) -> dic
     if files is None:
         files = integrity.entries(directory, list(list_files(directory)))
     manifest = {"files": dict(sorted(files.items())), "hash": integrity.HASH, "created": time.time()}
-    tmp = directory / (MANIFEST + ".part")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(directory / MANIFEST)
+    atomic_write_json(directory / MANIFEST, manifest, durable=True)
     return manifest
 
 
-WEIGHTS = ("model*.safetensors", "pytorch_model*/*model_states.pt", "pytorch_model_fsdp*/**/*", "model*.bin",
-           "dcp/.metadata")  # fmt: skip
+WEIGHTS = (
+    "model*.safetensors",
+    "pytorch_model*/*model_states.pt",
+    "pytorch_model_fsdp*/**/*",
+    "model*.bin",
+    "dcp/.metadata",
+)
 """What a loader needs at least one of: Accelerate's weights, DeepSpeed's or FSDP's shards, our DCP checkpoint."""
 
 

@@ -26,6 +26,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from ..runtime import innermost_optimizer
 from .safe_load import weights_only
 
 HASH = "xxh3_128"
@@ -109,8 +110,7 @@ def check(directory: Path, files: dict[str, dict], rels: list[str], deep: bool) 
 def _innermost(optimizer):
     """The torch optimizer under Accelerate's and DeepSpeed's wrappers: its state and param groups hold what the
     rank owns (DeepSpeed: the fp32 master partitions and their moments)."""
-    while getattr(optimizer, "optimizer", None) is not None:
-        optimizer = optimizer.optimizer
+    optimizer = innermost_optimizer(optimizer)
     return optimizer
 
 

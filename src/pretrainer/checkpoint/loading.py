@@ -19,6 +19,7 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 
 from ..errors import PretrainerError
+from ..observe import events as ev
 
 DS_TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed's checkpoint
 
@@ -52,12 +53,24 @@ def to_universal(acc, path: Path, meta: dict, log, out: Path) -> Path:
             raise PretrainerError(f"--resume {path}: DeepSpeed's universal checkpoint is not available: {e}") from None
         shutil.rmtree(out, ignore_errors=True)
         src = path / DS_TAG
-        args = argparse.Namespace(input_folder=str(src), output_folder=str(out / DS_TAG), num_extract_workers=2,
-                                  num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                  inject_missing_state=True)  # fmt: skip
+        args = argparse.Namespace(
+            input_folder=str(src),
+            output_folder=str(out / DS_TAG),
+            num_extract_workers=2,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
+        )
         ds_to_universal.main(args)
         done.write_text(str(meta["step"]))
-        log.event("universal_convert", meta["step"], path=str(path), to=str(out),
-                  saved_world=meta["world_size"], world=acc.num_processes)  # fmt: skip
+        log.event(
+            ev.UNIVERSAL_CONVERT,
+            meta["step"],
+            path=str(path),
+            to=str(out),
+            saved_world=meta["world_size"],
+            world=acc.num_processes,
+        )
     acc.wait_for_everyone()
     return out

@@ -1,10 +1,10 @@
-"""The checkpoint manager: when to save, atomic saves (synchronous or in the background), retention, protection,
-resume and restore.
+"""The checkpoint store: atomic saves (synchronous or in the background), verification, listing, retention and
+loading. Storage only: it is told what to save (the meta the loop built) and what to keep (protected names); it
+decides nothing about when to save, which checkpoint a run should resume from, or whether a recipe may continue.
 
-It is given the accelerator, the model and optimizer, its recipe section, its root directory, the run state and the
-other stateful parts; it knows nothing else of the trainer. `meta.json` holds the run state at the top level (every
-checkpoint has one; listing, retention and resume read its step and tokens), each part's `state_dict()` under the
-part's name, and the resolved recipe with its hash.
+`meta.json` holds what the loop gave (the run state at the top level, each part's `state_dict()` under its name, the
+resolved recipe and its hash) plus what the store itself knows of the state: whether it was finite, the world size,
+the model config as saved.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import yaml
-from accelerate.utils import DistributedType, broadcast
+from accelerate.utils import DistributedType
 
-from ..errors import PretrainerError
-from ..recipe import training_diff
-from ..sections import CheckpointSection
-from ..state import RunState, Stateful
+from ..errors import PretrainerError, first_line
+from ..observe import events as ev
+from ..recipe.sections import CheckpointSection
 from . import commit, integrity
 from . import format as ck
 from .commit import Group
@@ -38,12 +35,12 @@ def _why(e: Exception) -> str:
     """One line for a failed write; a full disk reads the same whichever library hit it."""
     if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
         return "No space left on device"
-    return getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return getattr(e, "strerror", None) or first_line(e)
 
 
 @dataclass(frozen=True)
 class Restored:
-    """What a resume or rollback put back in place."""
+    """What a load put back in place (model, optimizer, RNG), and the meta for the loop to hand to the parts."""
 
     path: Path
     step: int
@@ -59,26 +56,17 @@ class CheckpointManager:
         *,
         model,
         optimizer,
-        state: RunState,
-        parts: dict[str, Stateful],
-        recipe: dict,
-        recipe_hash: str,
-        stage_names: list[str],
         log,
         extra_files: dict[str, Callable[[Path], None]] | None = None,
+        deep_verify: bool = False,
     ):
         """Args:
-        parts: name -> Stateful, saved as `meta[name]` and restored from it.
-        recipe: the resolved recipe as plain data (saved in meta, compared on resume).
-        extra_files: sub-directory name -> writer, called at each save (e.g. the tokenizer)."""
+        extra_files: sub-directory name -> writer, called at each save (e.g. the tokenizer).
+        deep_verify: also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`)."""
         self.acc, self.section, self.root = accelerator, section, Path(root)
-        self.model, self.optimizer, self.state, self.parts = model, optimizer, state, parts
-        self.recipe, self.recipe_hash, self.stage_names = recipe, recipe_hash, stage_names
-        self.log, self.extra_files = log, extra_files or {}
+        self.model, self.optimizer = model, optimizer
+        self.log, self.extra_files, self.deep_verify = log, extra_files or {}, deep_verify
         self.writer = BackgroundWriter()
-        self.protected: set[str] = set()
-        """Checkpoint names that pruning must keep (a rollback target while its episode is open)."""
-        self.last_save = time.monotonic()
         self.blocked_s = 0.0
         """Seconds the loop was blocked by saves since `take_blocked()` was last called."""
         self._pool: dict = {}  # snapshot buffers, reused between background saves
@@ -90,56 +78,20 @@ class CheckpointManager:
         """FSDP saves and loads through DCP: sharded, asynchronous when asked, resharded on load."""
         self.remote = Uploader(section, log) if section.remote and accelerator.is_main_process else None
         """The background copy of each verified checkpoint to `checkpoint.remote` (main process)."""
-        self.deep_verify = False
-        """Also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`)."""
-
-    # ------------------------------------------------------------------ when
-
-    def mark_clock(self) -> None:
-        self.last_save = time.monotonic()
 
     def take_blocked(self) -> float:
         out, self.blocked_s = self.blocked_s, 0.0
         return out
 
-    def due(self, tokens_before: int, tokens_now: int, stage_end: bool, log_step: bool) -> str | None:
-        """Why a save is due after a step, or None. Token and stage-end triggers every step; the clock only on
-        logging steps, decided by the main process and broadcast (ranks' clocks differ; all must save together)."""
-        s = self.section
-        if stage_end and s.at_stage_end:
-            return "stage_end"
-        if ck.tokens_crossed(s.every_tokens, tokens_before, tokens_now):
-            return "tokens"
-        if not log_step or s.every_minutes is None:
-            return None
-        late = (time.monotonic() - self.last_save) / 60 >= s.every_minutes
-        if self.acc.num_processes > 1:
-            late = bool(broadcast(torch.tensor([float(late)], device=self.acc.device), from_process=0).item())
-        return "time" if late else None
-
-    # ------------------------------------------------------------------ protection (for rollback targets)
-
-    def protect(self, name: str) -> None:
-        self.protected.add(name)
-
-    def release(self, name: str) -> None:
-        self.protected.discard(name)
-
     # ------------------------------------------------------------------ save
 
-    def _meta(self, reason: str) -> dict:
-        st = self.state
+    def _meta(self, meta: dict) -> dict:
         return {
-            **st.state_dict(),
-            "stage": self.stage_names[st.stage_index],
-            "reason": reason,
+            **meta,
             "saved_at": time.time(),
             "world_size": self.acc.num_processes,
-            "recipe_hash": self.recipe_hash,
-            "recipe": self.recipe,
             "model_config": self._model_config(),
             "state_finite": self._state_finite(),
-            **{name: part.state_dict() for name, part in self.parts.items()},
         }
 
     def _state_finite(self) -> bool:
@@ -157,47 +109,58 @@ class CheckpointManager:
             self._config = (key[0], key[1], cfg.to_dict())
         return self._config[2]
 
-    def save(self, reason: str) -> Path:
-        """Write a checkpoint atomically: state into `.tmp-step_N/`, then meta, extra files, manifest (last), rename.
+    def save(self, meta: dict, protected: frozenset[str] | set[str] = frozenset()) -> Path:
+        """Write a checkpoint of the live model and optimizer atomically: state into `.tmp-step_N/`, then meta, extra
+        files, manifest (last), rename; then prune, keeping `protected` names.
 
         Single process and DDP: Accelerate's files, in the background from a CPU snapshot on the main process when
         `async`. FSDP: DCP shards from every rank, in the background when `async`. DeepSpeed: its engine's
         synchronous save. In every case each rank hashes its own files for the manifest.
 
+        Args:
+            meta: what the loop saves with the state; needs `step`, `tokens` and `reason`.
+            protected: checkpoint names that pruning must keep (an open spike episode's rollback target).
+
         Raises:
             ck.CheckpointError: the write failed; earlier checkpoints are intact and the partial one is removed.
         """
         acc = self.acc
-        name = f"step_{self.state.step:08d}"
+        name = f"step_{meta['step']:08d}"
         tmp, final = self.root / f"{ck.TMP_PREFIX}{name}", self.root / name
         t0, staged = time.perf_counter(), threading.Event()
+        protected = frozenset(protected)
         self._wait()  # never two writes at once
-        meta = self._meta(reason)
+        meta = self._meta(meta)
         if acc.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             ck.remove_dir(tmp) if tmp.exists() else None
         acc.wait_for_everyone()
         if self.dcp is not None:
             try:
-                self.dcp.save(self.model, self.optimizer, tmp,
-                              lambda g: self._commit(g, tmp, final, meta, t0, staged if self.section.async_ else None),
-                              async_=self.section.async_)  # fmt: skip
+                self.dcp.save(
+                    self.model,
+                    self.optimizer,
+                    tmp,
+                    lambda g: self._commit(
+                        g, tmp, final, meta, t0, staged if self.section.async_ else None, protected
+                    ),
+                    async_=self.section.async_,
+                )
             except Exception as e:
-                self._fail(tmp, name, e)
+                self._fail(tmp, meta["step"], e)
         elif self.async_ok:
             if acc.is_main_process:  # only the main process writes, so only it needs a copy
                 snap = Snapshot(acc, self.model, self.optimizer, self._pool)
                 self._pool = snap.pool
-                self.writer.submit(lambda: self._write(snap, tmp, final, meta, t0, staged))
+                self.writer.submit(lambda: self._write(snap, tmp, final, meta, t0, staged, protected))
         else:
             try:
                 acc.save_state(str(tmp), safe_serialization=True)
             except Exception as e:  # torch and safetensors raise RuntimeError-like errors on a full disk, not OSError
-                self._fail(tmp, name, e)
+                self._fail(tmp, meta["step"], e)
             acc.wait_for_everyone()
-            self._commit(Group(), tmp, final, meta, t0, None)
+            self._commit(Group(), tmp, final, meta, t0, None, protected)
             acc.wait_for_everyone()
-        self.mark_clock()
         self.last_blocked = time.perf_counter() - t0
         self.blocked_s += self.last_blocked
         staged.set()
@@ -208,23 +171,33 @@ class CheckpointManager:
         if self.dcp is not None:
             self.dcp.wait()
 
-    def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, t0: float, staged) -> None:
+    def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, t0: float, staged, protected) -> None:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             snap.write(tmp, 0)
         except Exception as e:
-            self._fail(tmp, final.name, e)
-        self._commit(Group(alone=True), tmp, final, meta, t0, staged)  # the main process alone wrote it
+            self._fail(tmp, meta["step"], e)
+        self._commit(Group(alone=True), tmp, final, meta, t0, staged, protected)  # the main process alone wrote it
 
-    def _fail(self, tmp: Path, name: str, e: Exception):
+    def _fail(self, tmp: Path, step: int, e: Exception):
+        name = tmp.name.removeprefix(ck.TMP_PREFIX)
         if self.acc.is_main_process:
             ck.remove_dir(tmp)
-        self.log.event("checkpoint_failed", self.state.step, name=name, error=str(e))
+        self.log.event(ev.CHECKPOINT_FAILED, step, name=name, error=str(e))
         raise ck.CheckpointError(
             f"checkpoint {name} could not be written ({_why(e)}); earlier checkpoints in {self.root} are intact"
         ) from None
 
-    def _commit(self, group: Group, tmp: Path, final: Path, meta: dict, t0: float, staged: threading.Event | None):
+    def _commit(
+        self,
+        group: Group,
+        tmp: Path,
+        final: Path,
+        meta: dict,
+        t0: float,
+        staged: threading.Event | None,
+        protected: frozenset[str],
+    ):
         """Meta, extra files, per-rank hashes, manifest (last), rename; then the event and retention (rank 0).
 
         Args:
@@ -233,18 +206,24 @@ class CheckpointManager:
         try:
             nbytes = commit.commit(group, tmp, final, meta, self.extra_files)
         except Exception as e:
-            self._fail(tmp, final.name, e)
+            self._fail(tmp, meta["step"], e)
         if not self.acc.is_main_process:
             return
         total = time.perf_counter() - t0
         if staged is not None:
             staged.wait()
         self.log.event(
-            "checkpoint", meta["step"], path=str(final), reason=meta["reason"], tokens=meta["tokens"],
-            blocked_s=round(total if staged is None else self.last_blocked, 4), total_s=round(total, 4), bytes=nbytes,
+            ev.CHECKPOINT,
+            meta["step"],
+            path=str(final),
+            reason=meta["reason"],
+            tokens=meta["tokens"],
+            blocked_s=round(total if staged is None else self.last_blocked, 4),
+            total_s=round(total, 4),
+            bytes=nbytes,
             state_finite=meta["state_finite"],
-        )  # fmt: skip
-        self.prune()
+        )
+        self.prune(meta["step"], protected)
         if self.remote is not None:
             self.remote.submit(final)
 
@@ -258,10 +237,10 @@ class CheckpointManager:
         if cands and (problems := self.verify(cands[-1].path)):
             raise ck.CheckpointError(f"{cands[-1].path}: the last checkpoint does not verify: {problems[:3]}")
 
-    def prune(self) -> None:
-        """Keep the newest `keep_last`, milestones, protected ones, and always the newest that verifies."""
+    def prune(self, step: int, protected: frozenset[str] = frozenset()) -> None:
+        """Keep the newest `keep_last`, milestones, `protected` ones, and always the newest that verifies."""
         cands = ck.list_checkpoints(self.root)
-        keep = ck.to_keep(cands, self.section.keep_last, self.section.keep_every_tokens, self.protected)
+        keep = ck.to_keep(cands, self.section.keep_last, self.section.keep_every_tokens, set(protected))
         for c in reversed(cands):  # the newest that passes the (cheap) manifest check is never pruned
             if not ck.verify(c.path, hashes=False):
                 keep.add(c.path)
@@ -269,16 +248,16 @@ class CheckpointManager:
         for c in cands:
             if c.path not in keep:
                 err = ck.remove_dir(c.path)
-                kind = "prune_failed" if err else "prune"
-                self.log.event(kind, self.state.step, path=str(c.path), **({"error": err} if err else {}))
+                kind = ev.PRUNE_FAILED if err else ev.PRUNE
+                self.log.event(kind, step, path=str(c.path), **({"error": err} if err else {}))
 
-    # ------------------------------------------------------------------ choose, restore, resume
+    # ------------------------------------------------------------------ verify, list, find, load
 
     def verify(self, path: Path) -> list[str]:
         """The same answer on every rank; each rank hashes its share (deep: rank 0 also scans the files)."""
         return commit.verify(Group(), Path(path), scan=self.deep_verify)
 
-    def rollback_target(self, max_step: int) -> Path | None:
+    def newest_good(self, max_step: int) -> Path | None:
         """The newest checkpoint saved at or before `max_step` that verifies and recorded only finite losses."""
         cand, _ = ck.newest_valid(self.root, max_step=max_step, finite_losses=True, check=self.verify)
         return cand.path if cand else None
@@ -288,7 +267,7 @@ class CheckpointManager:
         if self.acc.is_main_process:
             for d in ck.incomplete_dirs(self.root):
                 err = ck.remove_dir(d)
-                self.log.event("cleanup_incomplete", 0, path=str(d), error=err)
+                self.log.event(ev.CLEANUP_INCOMPLETE, 0, path=str(d), error=err)
         self.acc.wait_for_everyone()
 
     def find(self, spec: str) -> Path | None:
@@ -301,7 +280,7 @@ class CheckpointManager:
             return path
         cand, skipped = ck.newest_valid(self.root, check=self.verify)
         for path, why in skipped:
-            self.log.event("resume_skip", 0, path=str(path), reason=why)
+            self.log.event(ev.RESUME_SKIP, 0, path=str(path), reason=why)
             if self.acc.is_main_process:
                 print(f"resume: skipping {path}: {why}", flush=True)
         if cand is None and self.section.remote:
@@ -319,40 +298,9 @@ class CheckpointManager:
             print(f"resume: copied {got} from {self.section.remote}", flush=True)
         return cand
 
-    def check_compatible(self, path: Path, allow_recipe_change: bool) -> None:
-        """Refuse a checkpoint that the current recipe cannot continue, unless the change is allowed."""
-        meta = ck.read_meta(path)
-        if diffs := training_diff(meta["recipe"], self.recipe):
-            if not allow_recipe_change:
-                raise PretrainerError(
-                    f"--resume {path}: the recipe changed since this checkpoint; pass --allow-recipe-change to "
-                    "accept:\n  " + "\n  ".join(diffs)
-                )
-            self.log.event("recipe_change", meta["step"], differences=diffs)
-            if self.acc.is_main_process:
-                out = self.root.parent / f"recipe.step_{meta['step']:08d}.yaml"
-                out.write_text(yaml.safe_dump(meta["recipe"]))
-
-    def resume(
-        self, spec: str, allow_recipe_change: bool, redirect: Callable[[Path, int], Path] | None = None
-    ) -> Restored | None:
-        """Clean up dead saves, then restore from `spec` (`none`, `auto` or a checkpoint path); None when nothing
-        was restored.
-
-        Args:
-            redirect: (chosen path, its step) -> the path to resume from instead (an open spike episode's target).
-        """
-        self.clean_incomplete()
-        if spec == "none" or (path := self.find(spec)) is None:
-            return None
-        if spec == "auto" and redirect is not None:
-            path = redirect(path, ck.read_meta(path)["step"])
-        self.check_compatible(path, allow_recipe_change)
-        return self.restore(path)
-
-    def restore(self, path: Path) -> Restored:
-        """Load model/optimizer/RNG, the run state and every part from a checkpoint (resume and rollback), whatever
-        number of processes saved it."""
+    def load(self, path: Path) -> Restored:
+        """Load model, optimizer and RNG from a checkpoint (resume and rollback), whatever number of processes saved
+        it; the meta is returned for the loop to hand to the run state and the parts."""
         meta = ck.read_meta(path)
         try:
             with weights_only(str(path)):
@@ -371,8 +319,4 @@ class CheckpointManager:
             raise PretrainerError(
                 f"--resume {path}: the checkpoint does not fit this recipe's model: {(lines or [str(e)[:200]])[0]}"
             ) from None
-        self.state.load_state_dict(meta)
-        for name, part in self.parts.items():
-            if meta.get(name) is not None:
-                part.load_state_dict(meta[name])
-        return Restored(Path(path), self.state.step, meta)
+        return Restored(Path(path), meta["step"], meta)

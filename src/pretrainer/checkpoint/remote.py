@@ -13,6 +13,7 @@ import json
 import threading
 from pathlib import Path
 
+from ..observe import events as ev
 from . import format as ck
 
 
@@ -60,7 +61,7 @@ class Uploader:
     def submit(self, path: Path) -> None:
         with self.cv:
             if self.pending is not None:
-                self.log.event("remote_skip", 0, path=str(self.pending), reason="a newer checkpoint is waiting")
+                self.log.event(ev.REMOTE_SKIP, 0, path=str(self.pending), reason="a newer checkpoint is waiting")
             self.pending = path
             self.cv.notify_all()
 
@@ -76,11 +77,11 @@ class Uploader:
                 path, self.pending, self.busy = self.pending, None, True
             try:
                 n = upload(path, self.url)
-                self.log.event("remote_upload", 0, path=str(path), url=self.url, bytes=n)
+                self.log.event(ev.REMOTE_UPLOAD, 0, path=str(path), url=self.url, bytes=n)
                 for gone in prune_remote(self.url, self.section):
-                    self.log.event("remote_prune", 0, path=gone)
+                    self.log.event(ev.REMOTE_PRUNE, 0, path=gone)
             except Exception as e:  # a failed upload must not kill the run; the local checkpoint stands
-                self.log.event("remote_failed", 0, path=str(path), error=f"{type(e).__name__}: {e}")
+                self.log.event(ev.REMOTE_FAILED, 0, path=str(path), error=f"{type(e).__name__}: {e}")
             finally:
                 with self.cv:
                     self.busy = False
@@ -132,13 +133,13 @@ def fetch_newest(url: str, root: Path, log) -> str | None:
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(f, str(tmp / rel))
         if problems := ck.verify(tmp):
-            log.event("remote_skip", 0, path=src, reason="; ".join(problems[:3]))
+            log.event(ev.REMOTE_SKIP, 0, path=src, reason="; ".join(problems[:3]))
             ck.remove_dir(tmp)
             continue
         final = Path(root) / name
         if final.exists():
             ck.remove_dir(final)
         tmp.rename(final)
-        log.event("remote_fetch", 0, path=src, to=str(final))
+        log.event(ev.REMOTE_FETCH, 0, path=src, to=str(final))
         return name
     return None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PretrainerError
+from ..errors import PretrainerError, first_line
 
 _LOCK = threading.Lock()
 
@@ -44,9 +44,11 @@ def weights_only(where: str):
         try:
             return real(f, *args, **kwargs)
         except pickle.UnpicklingError as e:
-            raise UnsafeCheckpoint(f"{where}: {_name(f)}: refused to unpickle code ({_first(e)})") from None
+            raise UnsafeCheckpoint(f"{where}: {_name(f)}: refused to unpickle code ({first_line(e, 160)})") from None
         except RuntimeError as e:  # e.g. a raw pickle where a torch zip file belongs (mmap, weights-only)
-            raise UnsafeCheckpoint(f"{where}: {_name(f)}: cannot be read without unpickling ({_first(e)})") from None
+            raise UnsafeCheckpoint(
+                f"{where}: {_name(f)}: cannot be read without unpickling ({first_line(e, 160)})"
+            ) from None
 
     with _LOCK, torch.serialization.safe_globals(_deepspeed_globals()):
         torch.load = load
@@ -58,7 +60,3 @@ def weights_only(where: str):
 
 def _name(f) -> str:
     return Path(str(f)).name if isinstance(f, str | Path) else "a stream"
-
-
-def _first(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]

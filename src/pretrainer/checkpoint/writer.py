@@ -67,8 +67,17 @@ class Snapshot:
             def state_dict(self):
                 return self.s
 
-        save_accelerator_state(str(directory), [self.model_state], [_Opt(self.optimizer_state)], [], [], process_index,
-                               0, None, safe_serialization=True)  # fmt: skip
+        save_accelerator_state(
+            str(directory),
+            [self.model_state],
+            [_Opt(self.optimizer_state)],
+            [],
+            [],
+            process_index,
+            0,
+            None,
+            safe_serialization=True,
+        )
         torch.save(self.rng, directory / f"random_states_{process_index}.pkl")
 
 

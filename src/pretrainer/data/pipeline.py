@@ -12,16 +12,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
-from ..faults import poison
-from ..plan import StageSpan
-from ..sections import Recipe
-from ..tokenizer import load_tokenizer, trained_tokenizer
+from ..recipe.plan import StageSpan
+from ..recipe.schema import Recipe
+from ..recipe.sections import StageSection
 from .packing import WindowTable, long_doc_windows, plain_windows
 from .prepare import in_validation, prepare_source, read_manifest
 from .readers import iter_documents, source_files
 from .sampler import MixtureSampler, next_indices
 from .sources import source_key
 from .tokenfiles import SplitTokens
+from .tokenizer import load_tokenizer, trained_tokenizer
 from .tokens import tokenizer_fingerprint
 
 
@@ -101,8 +101,10 @@ def prepared_tokens(recipe: Recipe) -> dict[str, int]:
     out = {}
     for name in used_sources(recipe):
         key = source_key(name, recipe.data.sources[name], validation_fraction=recipe.data.validation_fraction)
-        found = sorted(Path(recipe.data.cache_dir, "tokens").glob(f"{name}-{key}-*/manifest.json"),
-                       key=lambda p: p.stat().st_mtime)  # fmt: skip
+        found = sorted(
+            Path(recipe.data.cache_dir, "tokens").glob(f"{name}-{key}-*/manifest.json"),
+            key=lambda p: p.stat().st_mtime,
+        )
         if found:
             out[name] = int(json.loads(found[-1].read_text())["train_tokens"])
     return out
@@ -119,18 +121,17 @@ def check_inline(recipe: Recipe, name: str) -> None:
     files = source_files(name, src)
     size = sum(os.path.getsize(os.path.join(files.folder, p)) for p in files.paths) / 2**20
     if size > limit:
-        raise DataError(f"data.sources.{name}: not prepared, and {size:,.0f} MB is too much to tokenize inside the "
-                        f"training run (data.inline_max_mb: {limit:g}); {how}")  # fmt: skip
+        raise DataError(
+            f"data.sources.{name}: not prepared, and {size:,.0f} MB is too much to tokenize inside the "
+            f"training run (data.inline_max_mb: {limit:g}); {how}"
+        )
 
 
 class StageBatches:
     """The batches of one stage: global sample indices -> packed sequences, split over ranks and micro batches."""
 
-    def __init__(self, recipe: Recipe, span: StageSpan, sources: dict[str, SourceData], vocab_size: int | None = None):
+    def __init__(self, stage: StageSection, span: StageSpan, sources: dict[str, SourceData], seed: int):
         self.span = span
-        inject = recipe.debug.inject.poison_samples
-        self.poison = (inject[1], inject[2], vocab_size) if inject and inject[0] == span.index else None
-        stage = recipe.stages[span.index]
         self.tables: dict[str, WindowTable] = {}
         for name, w in stage.mixture.items():
             if w <= 0:
@@ -149,9 +150,20 @@ class StageBatches:
             self.tables[name] = table
         self.sources = sources
         sizes = {n: t.size for n, t in self.tables.items()}
-        self.sampler = MixtureSampler(stage.mixture, sizes, seed=recipe.run.seed, stage=span.index)
+        self.sampler = MixtureSampler(stage.mixture, sizes, seed=seed, stage=span.index)
         self.repeats = dict.fromkeys(self.tables, 0)
         """Draws per source that came after the source was exhausted once (repeated data)."""
+
+    def rows_for(self, indices: list[int]) -> list[np.ndarray]:
+        """The token windows of these global sample indices (views into the memory-mapped token files)."""
+        rows = []
+        for i in indices:
+            d = self.sampler(i)
+            start = self.tables[d.source].start(d.sample)
+            rows.append(self.sources[d.source].train.tokens[start : start + self.span.seq_len])
+            if d.epoch:
+                self.repeats[d.source] += 1
+        return rows
 
     def indices(self, cursor: int, skips: list[tuple[int, int]]) -> tuple[list[int], int]:
         """The global sample indices of the step starting at `cursor`, and the next cursor."""
@@ -173,15 +185,7 @@ class StageBatches:
         idx, new_cursor = self.indices(cursor, skips or [])
         per_rank = len(idx) // world
         mine = idx[rank * per_rank : (rank + 1) * per_rank]
-        rows = []
-        for i in mine:
-            d = self.sampler(i)
-            start = self.tables[d.source].start(d.sample)
-            rows.append(self.sources[d.source].train.tokens[start : start + self.span.seq_len])
-            if d.epoch:
-                self.repeats[d.source] += 1
-        if self.poison is not None:
-            rows = poison(rows, mine, *self.poison)
+        rows = self.rows_for(mine)
         mb = self.span.micro_batch_size
         batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]
         return batches, new_cursor, (idx[0], idx[-1])

@@ -34,7 +34,8 @@ from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
 from ..errors import DataError
 from ..faults import kill_point
-from ..sections import SourceSection
+from ..files import atomic_write_json
+from ..recipe.sections import SourceSection
 from .readers import SourceFiles, make_reader, read_errors, source_files
 from .tokens import token_dtype
 
@@ -234,7 +235,5 @@ def _write_manifest(name: str, files: SourceFiles, out_dir: Path, tokenizer, sec
         "seconds": round(seconds, 3),
         "per_file": per_file,
     }
-    tmp = out_dir / f"{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.rename(out_dir / MANIFEST)  # last: a directory without a manifest is unfinished
+    atomic_write_json(out_dir / MANIFEST, manifest)  # last: a directory without a manifest is unfinished
     return manifest

@@ -24,8 +24,8 @@ from pathlib import Path
 from datatrove.pipeline.readers import CSVReader, ParquetReader
 from datatrove.pipeline.readers.base import BaseDiskReader
 
-from ..errors import DataError
-from ..sections import SourceSection
+from ..errors import DataError, first_line
+from ..recipe.sections import SourceSection
 from .sources import resolve_files, stdlib_dir
 
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -65,9 +65,7 @@ def _hub_files(name: str, src: SourceSection) -> SourceFiles:
     try:
         builder = datasets.load_dataset_builder(src.path, src.name)
     except Exception as e:  # offline, a wrong id or config: the user needs the source name and the reason
-        raise DataError(
-            f"data.sources.{name}: cannot resolve hub dataset {src.path!r}: {str(e).splitlines()[0]}"
-        ) from None
+        raise DataError(f"data.sources.{name}: cannot resolve hub dataset {src.path!r}: {first_line(e)}") from None
     files = (builder.config.data_files or {}).get(src.split)
     if not files:
         return SourceFiles(f"hf://datasets/{src.path}", ["stream"], "hub-stream")  # one task reads it all
@@ -87,8 +85,10 @@ def _checked_adapter(source: str):
 
     def adapter(self, data: dict, path: str, id_in_file: int | str) -> dict:
         if self.text_key not in data:
-            raise DataError(f"data.sources.{source}.text_field: {self.text_key!r} not in the rows of {path} "
-                            f"(fields: {sorted(data)})")  # fmt: skip
+            raise DataError(
+                f"data.sources.{source}.text_field: {self.text_key!r} not in the rows of {path} "
+                f"(fields: {sorted(data)})"
+            )
         text = data.pop(self.text_key)
         if text is not None and not isinstance(text, str):
             raise DataError(
@@ -96,8 +96,11 @@ def _checked_adapter(source: str):
                 f"({path}, document {int(id_in_file) + 1 if str(id_in_file).isdigit() else id_in_file})"
             )
         doc_id = data.get(self.id_key)
-        return {"text": text or "", "id": str(doc_id) if doc_id is not None else f"{path}/{id_in_file}",
-                "metadata": {"file": path}}  # fmt: skip
+        return {
+            "text": text or "",
+            "id": str(doc_id) if doc_id is not None else f"{path}/{id_in_file}",
+            "metadata": {"file": path},
+        }
 
     return adapter
 
@@ -138,9 +141,13 @@ def make_reader(name: str, src: SourceSection, files: SourceFiles, paths_file: s
         from datatrove.pipeline.readers import HuggingFaceDatasetReader
 
         return HuggingFaceDatasetReader(
-            src.path, {"name": src.name, "split": src.split}, streaming=True, text_key=src.text_field, limit=limit,
+            src.path,
+            {"name": src.name, "split": src.split},
+            streaming=True,
+            text_key=src.text_field,
+            limit=limit,
             adapter=_checked_adapter(name),
-        )  # fmt: skip
+        )
     cls = {"jsonl": StrictJsonlReader, "parquet": ParquetReader, "csv": CSVReader, "text": WholeFileReader}[files.fmt]
     text_key = "text" if files.fmt == "text" else src.text_field
     reader = cls(files.folder, paths_file=paths_file, limit=limit, text_key=text_key, adapter=_checked_adapter(name))
@@ -156,7 +163,7 @@ def read_errors(name: str) -> Iterator[None]:
     except DataError:
         raise
     except Exception as e:  # pyarrow, fsspec and datasets raise many types
-        raise DataError(f"data.sources.{name}: cannot read: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise DataError(f"data.sources.{name}: cannot read: {type(e).__name__}: {first_line(e)}") from None
 
 
 def iter_documents(name: str, src: SourceSection, paths_file: str | None = None) -> Iterator:

@@ -9,7 +9,7 @@ import sysconfig
 from pathlib import Path
 
 from ..errors import DataError
-from ..sections import SourceSection
+from ..recipe.sections import SourceSection
 
 
 def stdlib_dir() -> Path:

@@ -59,8 +59,10 @@ class SplitTokens:
         self.tokens = TokenFiles(self.token_paths, np.dtype(manifest["dtype"]))
         self.n_docs = int(manifest[f"{split}_docs"])
         if len(self.tokens) != manifest[f"{split}_tokens"]:
-            raise DataError(f"{source_dir}: {split} holds {len(self.tokens)} tokens, the manifest says "
-                            f"{manifest[f'{split}_tokens']}; prepare it again")  # fmt: skip
+            raise DataError(
+                f"{source_dir}: {split} holds {len(self.tokens)} tokens, the manifest says "
+                f"{manifest[f'{split}_tokens']}; prepare it again"
+            )
 
     @functools.cached_property
     def doc_offsets(self) -> np.ndarray:

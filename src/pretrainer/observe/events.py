@@ -1,0 +1,118 @@
+"""The run's protocol: every event kind with its fields, and the metric keys, in one module that every writer and
+reader imports. A misspelt kind is an AttributeError at import, a misspelt field a ValueError at the first write;
+neither becomes a silently empty panel.
+
+An `EventKind` is a `str` (so records stay plain JSON and `e["event"] == SPIKE` reads naturally) that also knows its
+fields and whether it is an incident (also a metrics row: cumulative `incidents/<kind>` and `marker/<kind>`)."""
+
+from __future__ import annotations
+
+
+class EventKind(str):
+    fields: frozenset[str]
+    incident: bool
+    doc: str
+
+    def __new__(cls, name: str, fields: tuple[str, ...], doc: str, incident: bool = False, open_fields: bool = False):
+        obj = super().__new__(cls, name)
+        obj.fields, obj.doc, obj.incident, obj.open_fields = frozenset(fields), doc, incident, open_fields
+        return obj
+
+    def check(self, details: dict) -> None:
+        """Raises ValueError for a field this kind does not declare."""
+        if not self.open_fields and (extra := details.keys() - self.fields):
+            raise ValueError(f"event {self!s}: undeclared field(s) {sorted(extra)}; declare them in observe/events.py")
+
+
+KINDS: dict[str, EventKind] = {}
+
+
+def _kind(name: str, fields: tuple[str, ...], doc: str, incident: bool = False, open_fields: bool = False):
+    KINDS[name] = k = EventKind(name, fields, doc, incident, open_fields)
+    return k
+
+
+# ------------------------------------------------------------------ the run
+RUN_START = _kind("run_start", ("params", "total_steps", "world"), "a fresh run began (not on resume)")
+RUN_END = _kind("run_end", ("tokens",), "the last step is done and final/ written")
+RESUME = _kind("resume", ("path", "tokens", "stage", "cursor", "skips"), "restored from a checkpoint", incident=True)
+RESUME_SKIP = _kind("resume_skip", ("path", "reason"), "a checkpoint --resume auto passed over, and why")
+RECIPE_CHANGE = _kind("recipe_change", ("differences",), "a resume accepted with --allow-recipe-change")
+STAGE_START = _kind(
+    "stage_start",
+    ("stage", "seq_len", "tokens", "rope", "mixture", "long_docs"),
+    "a stage began (its RoPE applied)",
+    incident=True,
+)
+LINT = _kind("lint", ("findings",), "the recipe linter's findings at the start")
+INJECT = _kind("inject", ("what",), "a debug.inject fault fired")
+
+# ------------------------------------------------------------------ the ladder of responses
+SKIPPED_UPDATE = _kind("skipped_update", ("loss", "grad_norm"), "an update not applied (non-finite)", incident=True)
+SPIKE = _kind("spike", ("onset", "reason", "zscore", "loss", "grad_norm"), "a loss spike detected", incident=True)
+ROLLBACK = _kind("rollback", ("to_step", "path", "replayed"), "restored an earlier checkpoint", incident=True)
+ROLLBACK_LIMIT = _kind("rollback_limit", ("rollbacks", "window"), "too many rollbacks: the run stops")
+SKIP = _kind(
+    "skip", ("stage", "first", "last", "onset", "blame"), "a sample range added to the skip ledger", incident=True
+)
+TRANSIENT = _kind("transient", ("onset", "end"), "a replay stayed healthy: the spike was transient", incident=True)
+
+# ------------------------------------------------------------------ checkpoints
+CHECKPOINT = _kind(
+    "checkpoint",
+    ("path", "reason", "tokens", "blocked_s", "total_s", "bytes", "state_finite"),
+    "a checkpoint committed (manifest written, renamed into place)",
+    incident=True,
+)
+CHECKPOINT_FAILED = _kind("checkpoint_failed", ("name", "error"), "a save failed; earlier checkpoints intact")
+CLEANUP_INCOMPLETE = _kind("cleanup_incomplete", ("path", "error"), "a dead save's directory removed")
+PRUNE = _kind("prune", ("path",), "a checkpoint removed by retention")
+PRUNE_FAILED = _kind("prune_failed", ("path", "error"), "retention could not remove a checkpoint")
+UNIVERSAL_CONVERT = _kind(
+    "universal_convert",
+    ("path", "to", "saved_world", "world"),
+    "a DeepSpeed checkpoint converted for a new world size",
+)
+REMOTE_UPLOAD = _kind("remote_upload", ("path", "url", "bytes"), "a checkpoint copied to checkpoint.remote")
+REMOTE_FAILED = _kind("remote_failed", ("path", "error"), "a remote copy failed")
+REMOTE_PRUNE = _kind("remote_prune", ("path",), "a remote copy removed by retention")
+REMOTE_SKIP = _kind("remote_skip", ("path", "reason"), "a remote checkpoint passed over")
+REMOTE_FETCH = _kind("remote_fetch", ("path", "to"), "a remote checkpoint fetched for a replaced node")
+
+# ------------------------------------------------------------------ observation
+HEALTH = _kind("health", ("verdict", "reasons"), "the trend verdict at an eval")
+CONTEXT = _kind("context", (), "the loss-by-position table and its verdict", open_fields=True)
+TRACKER_BACKFILL = _kind("tracker_backfill", ("rows",), "metrics rows a resumed W&B run was missing")
+
+INCIDENTS = tuple(k for k in KINDS.values() if k.incident)
+
+
+def kind(name: str) -> EventKind:
+    """The kind named `name` (a record read back from events.jsonl)."""
+    return KINDS[name]
+
+
+# ------------------------------------------------------------------ metric keys (metrics.jsonl, W&B, TensorBoard)
+LOSS = "loss"
+LR = "lr"
+GRAD_NORM = "grad_norm"
+TOKENS = "tokens"
+STAGE = "stage"
+TOKENS_PER_S = "tokens_per_s"
+MFU = "mfu"
+GNS = "gns/b_simple"
+CKPT_BLOCKED = "ckpt/blocked_s"
+VAL_REF = "val/ref"
+"""The held-out loss at one fixed context and batch for the whole run: comparable across stages."""
+VAL_AVG = "val/avg"
+"""The mean of the per-source held-out losses at the current stage's context (runs from before `val/ref`)."""
+VAL_PREFIX = "val/"
+VAL_POS_PREFIX = "val_pos/"
+EVAL_PREFIX = "eval/"
+INCIDENT = "incident"
+
+
+def val_key(rows_or_row) -> str:
+    """The validation key health reads: `val/ref` where the run logged it, else `val/avg` (older runs)."""
+    rows = [rows_or_row] if isinstance(rows_or_row, dict) else rows_or_row
+    return VAL_REF if any(VAL_REF in r for r in rows) else VAL_AVG

@@ -1,0 +1,343 @@
+"""Run health from metrics.jsonl and events.jsonl: a verdict judged on trends over many steps, never one point.
+
+Verdicts, first match wins: `stalled` (no logs, or none for a while in an unfinished run), `diverging` (the smoothed
+training loss has risen well above its best, or ends non-finite), `overfitting` (validation rises while training
+falls), `plateaued` (no measurable progress over the last quarter of the run), `recovered from spikes` (spikes
+happened, the trend is healthy now), `healthy`. Trends use medians over windows, so a single spike moves nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .. import checkpoint as ck
+from ..evaluation.context import context_verdict
+from ..train.spikes import spike_episodes
+from . import events as ev
+from .tracking import read_jsonl
+
+DIVERGE_RATIO = 0.10
+"""Smoothed loss this far (relative) above its best window is diverging."""
+PLATEAU_RATIO = 0.002
+"""Less relative improvement than this between the last two quarters is a plateau."""
+OVERFIT_RATIO = 0.02
+"""Validation this far above its best, while training still falls, is overfitting."""
+
+
+def load_run(output_dir: str | Path) -> dict[str, Any]:
+    """Metrics and events of a run (live or finished). A step logged again after a rollback or resume replaces the
+    earlier record."""
+    d = Path(output_dir)
+    train: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    per_step: dict[int, float] = {}
+    for m in read_jsonl(d / "metrics.jsonl"):
+        if any(k.startswith("val/") for k in m):
+            evals[m["step"]] = m
+        elif "loss" in m:
+            train[m["step"]] = m
+            for s, v in m.get("step_losses", []):
+                per_step[s] = v
+    events = read_jsonl(d / "events.jsonl")
+    recipe = None
+    if (d / "recipe.resolved.yaml").exists():
+        recipe = yaml.safe_load((d / "recipe.resolved.yaml").read_text())
+    mtime = (d / "metrics.jsonl").stat().st_mtime if (d / "metrics.jsonl").exists() else None
+    return {
+        "dir": d,
+        "train": [train[s] for s in sorted(train)],
+        "evals": [evals[s] for s in sorted(evals)],
+        "losses": sorted(per_step.items()) or [(m["step"], m["loss"]) for m in (train[s] for s in sorted(train))],
+        "events": events,
+        "recipe": recipe,
+        "last_write": mtime,
+    }
+
+
+def val_of(m: dict) -> Any:
+    """An eval line's comparable validation loss: `val/ref` (one fixed context and batches for the whole run), or
+    `val/avg` in runs from before it existed."""
+    return m.get(ev.VAL_REF, m.get(ev.VAL_AVG))
+
+
+def as_float(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _windows(values: list[float], k: int) -> list[float]:
+    return [statistics.median(values[i : i + k]) for i in range(0, len(values) - k + 1, k)]
+
+
+def verdict(
+    losses: list[tuple[int, float]],
+    val: list[tuple[int, float]],
+    events: list[dict],
+    finished: bool,
+    idle_s: float | None,
+    stall_minutes: float = 30.0,
+    episodes: list[dict] | None = None,
+) -> tuple[str, list[str]]:
+    """The verdict and the reasons for it (see the module docstring).
+
+    Args:
+        episodes: spikes found by replaying the live rule over `losses` (`spikes.spike_episodes`); the live check
+            passes None, since the live detector's own spikes are in `events`.
+    """
+    if not losses:
+        return "stalled", ["no training metrics logged"]
+    if not finished and idle_s is not None and idle_s > stall_minutes * 60:
+        return "stalled", [f"no metrics for {idle_s / 60:.0f} minutes and no run_end"]
+    values = [as_float(v) for _, v in losses]
+    tail = values[-max(3, len(values) // 20) :]
+    if sum(not math.isfinite(v) for v in tail) > len(tail) // 2:
+        return "diverging", ["the latest training losses are not finite"]
+    finite = [v for v in values if math.isfinite(v)]
+    k = max(3, len(finite) // 10)
+    meds = _windows(finite, k)
+    reasons: list[str] = []
+    if len(meds) >= 3:
+        best, last = min(meds[:-1]), meds[-1]
+        if last > best * (1 + DIVERGE_RATIO) and last > meds[-2]:
+            return "diverging", [f"smoothed loss {last:.4g} is {last / best - 1:.0%} above its best {best:.4g}"]
+    unrecovered = [e for e in episodes or [] if e["recovered"] is None and values and losses[-1][0] - e["onset"] >= 10]
+    if unrecovered:
+        return "diverging", [f"the loss has stayed above its trend since a spike at step {unrecovered[-1]['onset']}"]
+    vals = [(s, as_float(v)) for s, v in val if math.isfinite(as_float(v))]
+    if len(vals) >= 3 and len(meds) >= 3:
+        best_val = min(v for _, v in vals[:-1])
+        rising = vals[-1][1] > best_val * (1 + OVERFIT_RATIO) and vals[-1][1] > vals[-2][1]
+        if rising and meds[-1] <= meds[-2]:
+            return "overfitting", [
+                f"validation {vals[-1][1]:.4g} rose {vals[-1][1] / best_val - 1:.1%} above its best "
+                f"{best_val:.4g} while training kept falling"
+            ]
+    if len(finite) >= 40:
+        q = len(finite) // 4
+        prev, last = statistics.median(finite[-2 * q : -q]), statistics.median(finite[-q:])
+        if (prev - last) / abs(prev) < PLATEAU_RATIO:
+            return "plateaued", [f"the last quarter improved {(prev - last) / abs(prev):.2%} on the one before"]
+    n_spikes = max(sum(e["event"] == ev.SPIKE for e in events), len(episodes or []))
+    if n_spikes:
+        reasons.append(
+            f"{n_spikes} spike(s), {sum(e['event'] == 'rollback' for e in events)} rollback(s); trend healthy"
+        )
+        return "recovered from spikes", reasons
+    return "healthy", ["loss trend falling, no spikes"]
+
+
+class HealthMonitor:
+    """The live verdict during training, fed incrementally from the records the run logs (an observer of RunLog),
+    so a check costs no file I/O; seeded once from a resumed run's files. The same `verdict` as check_run.py."""
+
+    def __init__(self, output_dir: str | Path | None = None):
+        self.losses: dict[int, float] = {}
+        self.val: dict[int, Any] = {}
+        self.incidents: list[dict] = []
+        self.context: dict | None = None
+        """The latest `context` event's details (loss by position and its verdict)."""
+        if output_dir is not None:
+            run = load_run(output_dir)
+            self.losses.update(run["losses"])
+            self.val.update((m["step"], val_of(m)) for m in run["evals"])
+            self.incidents = [e for e in run["events"] if e["event"] in (ev.SPIKE, ev.ROLLBACK)]
+            self.context = next((e for e in reversed(run["events"]) if e["event"] == ev.CONTEXT), None)
+
+    def on_metrics(self, step: int, values: dict[str, Any]) -> None:
+        if ev.VAL_REF in values or ev.VAL_AVG in values:
+            self.val[step] = val_of(values)
+        elif ev.LOSS in values:
+            # a step logged again after a rollback replaces the earlier value, as in load_run
+            self.losses.update((s, v) for s, v in values.get("step_losses") or [(step, values["loss"])])
+
+    def on_event(self, kind: str, step: int, details: dict[str, Any]) -> None:
+        if kind in (ev.SPIKE, ev.ROLLBACK):
+            self.incidents.append({"event": kind, "step": step})
+        elif kind == ev.CONTEXT:
+            self.context = {"step": step, **details}
+
+    def verdict(self) -> tuple[str, list[str]]:
+        losses = sorted(self.losses.items())
+        return verdict(losses, sorted(self.val.items()), self.incidents, finished=False, idle_s=0.0)
+
+
+def _stage_summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """First and last loss, last validation and median throughput of each stage that started."""
+    stages = {}
+    for e in run["events"]:
+        if e["event"] == ev.STAGE_START:
+            stages[e["stage"]] = {"name": e["stage"], "start_step": e["step"], "seq_len": e.get("seq_len")}
+    for name, st in stages.items():
+        rows = [m for m in run["train"] if m.get("stage") == name]
+        if rows:
+            tps = [as_float(m.get("tokens_per_s")) for m in rows if math.isfinite(as_float(m.get("tokens_per_s")))]
+            st.update(
+                steps_logged=len(rows),
+                loss_first=as_float(rows[0]["loss"]),
+                loss_last=as_float(rows[-1]["loss"]),
+                tokens_per_s=statistics.median(tps) if tps else None,
+            )
+        evs = [m for m in run["evals"] if m.get("stage") == name]
+        if evs:
+            st["val_last"] = as_float(val_of(evs[-1]))
+    return list(stages.values())
+
+
+def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The train/validation gap at the first and last eval (validation: `val/ref`), and its trend."""
+    losses = dict(run["losses"])
+    gaps = []
+    for m in run["evals"]:
+        near = [
+            losses[s]
+            for s in range(m["step"] - 10, m["step"] + 1)
+            if s in losses and math.isfinite(as_float(losses[s]))
+        ]
+        if near and m["step"] > 0:
+            gaps.append((m["step"], as_float(val_of(m)) - statistics.median(near)))
+    if not gaps:
+        return None
+    trend = gaps[-1][1] - gaps[0][1]
+    return {
+        "first": gaps[0][1],
+        "last": gaps[-1][1],
+        "trend": "widening" if trend > 0.05 else "narrowing" if trend < -0.05 else "stable",
+    }
+
+
+def _gns_summary(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest gradient noise scale against the global batch."""
+    gns = [as_float(m["gns/b_simple"]) for m in run["train"] if "gns/b_simple" in m]
+    gbt = ((run["recipe"] or {}).get("batch") or {}).get("global_batch_tokens")
+    if not (gns and gbt and math.isfinite(gns[-1]) and gns[-1] > 0):
+        return None
+    ratio = gbt / gns[-1]
+    return {
+        "b_simple_tokens": gns[-1],
+        "global_batch_tokens": gbt,
+        "ratio": ratio,
+        "summary": f"the global batch is {ratio:.2g}x the estimated critical batch ({gns[-1]:,.0f} tokens)",
+    }
+
+
+def report(
+    output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoint: bool = True, deep: bool = True
+) -> dict[str, Any]:
+    """Everything check_run.py prints: verdict, per-stage summaries, train/val gap, incidents, throughput, latest
+    verified checkpoint, gradient noise scale."""
+    run = load_run(output_dir)
+    events = run["events"]
+    finished = any(e["event"] == ev.RUN_END for e in events)
+    idle = time.time() - run["last_write"] if run["last_write"] else None
+    val = [(m["step"], val_of(m)) for m in run["evals"]]
+    warmup = (((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0
+    grace_at = [warmup] + [e["step"] for e in events if e["event"] == ev.STAGE_START and e["step"] > 0]
+    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_at)
+    v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes)
+    out: dict[str, Any] = {"dir": str(run["dir"]), "verdict": v, "reasons": reasons, "finished": finished}
+    train = run["train"]
+    if train:
+        out["step"], out["tokens"] = train[-1]["step"], train[-1].get("tokens")
+
+    out["stages"] = _stage_summaries(run)
+    if gap := _gap(run):
+        out["gap"] = gap
+    out["incidents"] = {
+        k: sum(e["event"] == k for e in events) for k in (ev.SPIKE, ev.ROLLBACK, ev.SKIP, ev.TRANSIENT, ev.RESUME)
+    }
+    out["skips"] = [[e["stage"], e["first"], e["last"]] for e in events if e["event"] == ev.SKIP]
+    tps = [as_float(m.get("tokens_per_s")) for m in train if math.isfinite(as_float(m.get("tokens_per_s")))]
+    if tps:
+        out["throughput"] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_last": tps[-1]}
+
+    if verify_checkpoint:  # the latest checkpoint that verifies
+        check = partial(ck.verify, scan=deep)  # offline: also read every tensor back for NaN/Inf
+        cand, skipped = ck.newest_valid(run["dir"] / "checkpoints", check=check)
+        out["latest_checkpoint"] = (
+            {"path": str(cand.path), "step": cand.meta["step"], "skipped": [[str(p), why] for p, why in skipped]}
+            if cand
+            else None
+        )
+
+    if gns := _gns_summary(run):
+        out["gns"] = gns
+    if context := _context(run):
+        out["context"] = context
+    if downstream := _downstream(run):
+        out["downstream"] = downstream
+    return out
+
+
+def _context(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest loss-by-position measurement, judged against the window `final/config.json` advertises (the
+    window of the measurement while the run has no `final/`)."""
+    found = [e for e in run["events"] if e["event"] == ev.CONTEXT]
+    if not found:
+        return None
+    last = found[-1]
+    if not last.get("buckets"):
+        return {"step": last["step"], "verdict": last["verdict"]}
+    config = run["dir"] / "final" / "config.json"
+    advertised = json.loads(config.read_text())["max_position_embeddings"] if config.exists() else last["window"]
+    return {"step": last["step"], "buckets": last["buckets"], **context_verdict(last["buckets"], advertised)}
+
+
+def _downstream(run: dict[str, Any]) -> dict[str, dict] | None:
+    """Each lm-eval score at its first and latest eval (the first is the untrained baseline when scored at step 0)."""
+    out: dict[str, dict] = {}
+    for m in run["evals"]:
+        for k, v in m.items():
+            if k.startswith("eval/") and k.count("/") >= 2 and "_stderr" not in k:  # eval/<task>/<metric>
+                out.setdefault(k[5:], {"first_step": m["step"], "first": v}).update(last_step=m["step"], last=v)
+    return out or None
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [f"verdict: {r['verdict']}  ({'; '.join(r['reasons'])})", f"run: {r['dir']}"]
+    if "step" in r:
+        lines.append(f"step {r['step']:,}, tokens {r.get('tokens') or 0:,}, {'finished' if r['finished'] else 'live'}")
+    for st in r["stages"]:
+        if "loss_first" in st:
+            tps = f", {st['tokens_per_s']:,.0f} tok/s" if st.get("tokens_per_s") else ""
+            val = f", val {st['val_last']:.4g}" if "val_last" in st else ""
+            lines.append(
+                f"  stage {st['name']:<10} from step {st['start_step']:>7,}: loss {st['loss_first']:.4g} -> "
+                f"{st['loss_last']:.4g}{val}{tps}"
+            )
+    if "gap" in r:
+        g = r["gap"]
+        lines.append(f"train/val gap: {g['first']:+.4f} -> {g['last']:+.4f} ({g['trend']})")
+    inc = r["incidents"]
+    lines.append(", ".join(f"{k}s: {v}" for k, v in inc.items()))
+    if r["skips"]:
+        lines.append(f"skipped sample ranges: {r['skips']}")
+    if "throughput" in r:
+        lines.append(f"throughput: {r['throughput']['tokens_per_s_median']:,.0f} tokens/s (median)")
+    if "latest_checkpoint" in r:
+        c = r["latest_checkpoint"]
+        lines.append(f"latest verified checkpoint: {c['path']} (step {c['step']})" if c else "no verified checkpoint")
+    if "gns" in r:
+        lines.append(r["gns"]["summary"])
+    if "context" in r:
+        c = r["context"]
+        lines.append(f"context (step {c['step']:,}): {c['verdict']}")
+        if c.get("buckets"):
+            lines.append(
+                "  loss by position: " + ", ".join(f"{b['lo']}-{b['hi']} {b['loss']:.3f}" for b in c["buckets"])
+            )
+    for name, d in (r.get("downstream") or {}).items():
+        lines.append(
+            f"downstream {name}: {d['first']:.5g} (step {d['first_step']:,}) -> {d['last']:.5g} "
+            f"(step {d['last_step']:,})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Run logging: metrics.jsonl and events.jsonl are the local source of truth; W&B and TensorBoard mirror them
+through Accelerate's trackers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from . import events as ev
+
+
+def wandb_has_key() -> bool:
+    """A W&B key in the environment or in ~/.netrc (where `wandb login` puts it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return any("wandb" in host for host in netrc.netrc().hosts)
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def tracker_setup(report_to: list[str], output_dir: Path) -> list[str]:
+    """Trackers for `Accelerator(log_with=...)`. W&B goes offline when no key is configured (it syncs later with
+    `wandb sync`), so a run never waits on a login prompt or the network."""
+    if "wandb" in report_to:
+        if not wandb_has_key():
+            os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(output_dir))
+        os.environ.setdefault("WANDB_SILENT", "true")
+    return list(report_to)
+
+
+def _clean(v: Any) -> Any:
+    # JSON has no NaN/inf; write them as strings so the line stays parseable and the fact stays visible.
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def tracked(row: dict[str, Any]) -> dict[str, float]:
+    """The numeric values of a metrics row as trackers get them, with the optimizer step and tokens as axes."""
+    out = {k: v for k, v in row.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    out.pop("time", None)
+    out["train/step"] = out.pop("step")
+    if "tokens" in out:
+        out["train/tokens"] = out.pop("tokens")
+    return out
+
+
+class RunLog:
+    """Appends one JSON object per line (only the main process writes) and mirrors each metrics row to the
+    trackers at tracker step = its row number in metrics.jsonl, which only grows across resumes and rollbacks."""
+
+    def __init__(self, output_dir: Path, accelerator, enabled: bool):
+        self.dir = Path(output_dir)
+        self.accelerator = accelerator
+        self.enabled = enabled
+        self.t0 = time.time()
+        self.observers: list = []
+        """Objects with on_metrics(step, values) and on_event(kind, step, details), told of every record."""
+        self.lock = threading.Lock()  # a background checkpoint write logs from its own thread
+        self.rows = 0
+        self.counts: Counter[str] = Counter()
+        if enabled:  # continue the numbering and the incident counts of an earlier launch (read once)
+            _seal(self.dir / "metrics.jsonl")
+            _seal(self.dir / "events.jsonl")
+            self.rows = len(read_jsonl(self.dir / "metrics.jsonl"))
+            self.counts.update(e["event"] for e in read_jsonl(self.dir / "events.jsonl") if e["event"] in ev.INCIDENTS)
+
+    def _append(self, name: str, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.dir / name, "a") as f:
+            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+
+    def metrics(self, step: int, values: dict[str, Any]) -> None:
+        row = {"step": step, "time": round(time.time() - self.t0, 3), **values}
+        with self.lock:
+            self._append("metrics.jsonl", row)
+            self.accelerator.log(tracked(row), step=self.rows)
+            self.rows += self.enabled
+        for o in self.observers:
+            o.on_metrics(step, values)
+
+    def event(self, kind: ev.EventKind, step: int, **details: Any) -> None:
+        """Append one event (kinds and their fields: observe/events.py); incidents are also metrics rows."""
+        if not isinstance(kind, ev.EventKind):
+            raise TypeError(f"event kind {kind!r}: use a kind from observe/events.py")
+        kind.check(details)
+        self._append("events.jsonl", {"event": kind, "step": step, "time": round(time.time() - self.t0, 3), **details})
+        for o in self.observers:
+            o.on_event(kind, step, details)
+        if kind.incident:
+            self.counts[kind] += 1
+            self.metrics(step, {"incident": kind, f"incidents/{kind}": self.counts[kind], f"marker/{kind}": step})
+
+    def backfill(self, run, held: int) -> int:
+        """Log to a W&B run the rows of metrics.jsonl it does not hold (rows `held` on); returns how many."""
+        rows = read_jsonl(self.dir / "metrics.jsonl")
+        for i in range(held, len(rows)):
+            run.log(tracked(rows[i]), step=i)
+        return max(0, len(rows) - held)
+
+
+def _seal(path: Path) -> None:
+    """End a torn last line (a process killed mid-write), so the next record starts a line of its own."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+class _DropKnownNoise(logging.Filter):
+    """Library warnings that say nothing to our users: tied embeddings are stored once at every save, by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in str(record.msg)
+
+
+def quiet_known_noise() -> None:
+    logging.getLogger("accelerate.utils.other").addFilter(_DropKnownNoise())
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Records of a .jsonl file; a torn last line (a run killed mid-write) is ignored."""
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def alert(accelerator, report_to: list[str], title: str, text: str) -> None:
+    """A W&B alert when W&B is online; always a line above the progress bar (events.jsonl has the record)."""
+    if not accelerator.is_main_process:
+        return
+    tqdm.write(f"[{title}] {text}", file=sys.stderr)
+    if "wandb" in report_to and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        try:
+            accelerator.get_tracker("wandb", unwrap=True).alert(title=title, text=text)
+        except Exception:  # an alert must never take the run down
+            pass

@@ -1,0 +1,124 @@
+"""Learning-rate schedules as pure functions of the global optimizer step: f(step) -> multiplier of the peak LR.
+
+Cosine comes from transformers (`get_cosine_with_min_lr_schedule_with_warmup`); WSD is written here. Both are wrapped
+in `LambdaLR`, so only the step is checkpointed and the LR is recomputed on resume.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from .schema import Recipe
+
+
+def wsd(
+    step: int,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int,
+    decay_shape: str,
+    min_lr_ratio: float,
+    decay_start: int | None = None,
+) -> float:
+    """Warmup-stable-decay: linear warmup from 0, flat at the peak, then decay over `decay_steps` steps.
+
+    Args:
+        step: global optimizer step (0-based).
+        decay_shape: `linear`, `cosine` or `1-sqrt` (Hägele et al. 2024 found 1-sqrt best).
+        decay_start: first decay step; default: the decay is the last `decay_steps` steps of the run.
+
+    Returns:
+        The LR multiplier; `min_lr_ratio` from the end of the decay on.
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    if decay_start is None:
+        decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, decay_steps))
+    if decay_shape == "linear":
+        f = 1.0 - progress
+    elif decay_shape == "cosine":
+        f = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif decay_shape == "1-sqrt":
+        f = 1.0 - math.sqrt(progress)
+    else:
+        raise ValueError(f"unknown decay_shape {decay_shape!r}")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * f
+
+
+def cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warmup then cosine to `min_lr_ratio`, exactly as transformers computes it."""
+    return _transformers_cosine(warmup_steps, total_steps, min_lr_ratio)(step)
+
+
+def _transformers_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    # transformers exposes the schedule only as a LambdaLR; take its lambda from a throwaway optimizer.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(
+        opt, num_warmup_steps=warmup_steps, num_training_steps=total_steps, min_lr_rate=min_lr_ratio
+    )
+    return sched.lr_lambdas[0]
+
+
+def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
+    """The recipe's schedule as f(step) -> multiplier, over the whole run (the decay window from its run plan)."""
+    s, plan = recipe.schedule, recipe.plan
+    if s.type == "cosine":
+        return _transformers_cosine(s.warmup_steps, plan.total_steps, s.min_lr_ratio)
+
+    def f(step: int) -> float:
+        return wsd(
+            step,
+            warmup_steps=s.warmup_steps,
+            total_steps=plan.total_steps,
+            decay_steps=plan.decay_steps,
+            decay_shape=s.decay_shape,
+            min_lr_ratio=s.min_lr_ratio,
+            decay_start=plan.decay_start,
+        )
+
+    return f
+
+
+def lr_at(recipe: Recipe, step: int) -> float:
+    """The absolute LR at a global optimizer step."""
+    return recipe.optimizer.lr * lr_lambda(recipe)(step)
+
+
+class LRController:
+    """Sets every param group's LR to `peak * f(step)` after each optimizer step.
+
+    Not a torch LambdaLR on purpose: DeepSpeed ZeRO and FSDP regroup the optimizer's parameters after the scheduler
+    would have been built. Only the step is saved (`state_dict`); the LR is recomputed on load.
+    """
+
+    def __init__(self, optimizer, fn: Callable[[int], float], peak: float):
+        self.optimizer, self.fn, self.peak = optimizer, fn, peak
+        self.step_count = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        self.lr = self.peak * self.fn(self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [self.lr]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        self._apply()

@@ -1,0 +1,305 @@
+"""Typed recipe sections: one class per YAML section, strict (unknown keys are errors).
+
+Each component receives only its own section. Field docstrings are the reference for recipe authors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from .eval_sections import Section
+
+
+class RunSection(Section):
+    name: str = "run"
+    """Run name, shown in trackers and used for the default output directory."""
+    output_dir: str | None = None
+    """Where metrics, checkpoints and the final model go. Default: runs/<name>."""
+    seed: int = 1234
+    """Seeds model init, data order and dropout."""
+
+
+class ModelSection(Section):
+    config: dict[str, Any]
+    """A Hugging Face config dict; `model_type` picks the architecture (any type transformers knows)."""
+    init_std: float | None = Field(default=0.02, gt=0)
+    """Std of the normal init of linear and embedding weights (sets `initializer_range`)."""
+    attn_implementation: str = "sdpa"
+    """`sdpa` (default), `eager`, or `flash_attention_2` where installed."""
+    gradient_checkpointing: bool | int = False
+    """Recompute activations in backward: `true` for every decoder layer, k for layers 0, k, 2k, ... (selective)."""
+    kernels: Literal["none", "liger"] = "none"
+    """`liger`: liger-kernel's fused RMSNorm, RoPE, SwiGLU, linear cross-entropy (NVIDIA GPU and liger-kernel)."""
+    compile: bool = False
+    """torch.compile each decoder layer (on in the GPU recipes; minutes of compile time on a CPU)."""
+    trust_remote_code: bool = False
+    """Only needed for hub model types that transformers does not ship; off unless asked for."""
+
+    @field_validator("gradient_checkpointing")
+    @classmethod
+    def _every_k(cls, v: bool | int) -> bool | int:
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError(f"must be true, false or a layer interval >= 1 (got {v})")
+        return v
+
+    @field_validator("config")
+    @classmethod
+    def _has_model_type(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "model_type" not in v:
+            raise ValueError("must contain `model_type` (for example `llama`)")
+        return v
+
+
+class TokenizerTrainSection(Section):
+    vocab_size: int = Field(default=4096, ge=256)
+    sources: list[str] | None = None
+    """Sources whose training documents the tokenizer learns from. Default: all sources."""
+    max_documents: int | None = Field(default=None, ge=1)
+
+
+class TokenizerSection(Section):
+    path: str | None = None
+    """A hub id or a local directory with a tokenizer."""
+    train: TokenizerTrainSection | None = None
+    """Train a byte-level BPE on the recipe's own data (cached under data.cache_dir)."""
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizerSection:
+        if (self.path is None) == (self.train is None):
+            raise ValueError("set exactly one of `path` or `train`")
+        return self
+
+
+class SourceSection(Section):
+    type: Literal["python_stdlib", "files", "hub"]
+    """`python_stdlib`: the stdlib's own source files; `files`: local text/jsonl/parquet; `hub`: a hub dataset id."""
+    include: list[str] = Field(default_factory=list)
+    """Glob patterns. For `python_stdlib` relative to the stdlib directory; for `files` relative to the working dir."""
+    exclude: list[str] = Field(default_factory=list)
+    path: str | None = None
+    """`hub`: the dataset id."""
+    name: str | None = None
+    """`hub`: the dataset config name."""
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = True
+    max_documents: int | None = Field(default=None, ge=1)
+    """Read at most this many documents (in file order)."""
+    quality: Literal["low", "medium", "high"] = "medium"
+    """How good the source is. An anneal (the `schedule.decay_stage`) should shift weight toward `high` sources."""
+
+    @model_validator(mode="after")
+    def _fields_for_type(self) -> SourceSection:
+        if self.type in ("python_stdlib", "files") and not self.include:
+            raise ValueError(f"`include` (glob patterns) is required for type {self.type}")
+        if self.type == "hub" and not self.path:
+            raise ValueError("`path` (the dataset id) is required for type hub")
+        return self
+
+
+class DataSection(Section):
+    sources: dict[str, SourceSection]
+    validation_fraction: float = Field(default=0.02, gt=0, lt=0.5)
+    """Fraction of each source's documents held out for validation (at least one document)."""
+    cache_dir: str = ".cache/pretrainer"
+    """Tokenized data and trained tokenizers are cached here, keyed by content."""
+    document_masking: bool = False
+    """Attention and positions per packed document (`masking.py`: flash attention without a mask, sdpa with one)."""
+    inline_max_mb: float = Field(default=512, ge=0)
+    """A local source not prepared by `prepare_data.py` is tokenized inside the run only up to this size."""
+
+    @field_validator("sources")
+    @classmethod
+    def _non_empty(cls, v: dict[str, SourceSection]) -> dict[str, SourceSection]:
+        if not v:
+            raise ValueError("define at least one source")
+        return v
+
+
+class BatchSection(Section):
+    micro_batch_size: int = Field(ge=1)
+    """Sequences per device per forward pass, at the first stage's seq_len. Tokens per micro batch stay fixed
+    across stages, so a stage at 4x the context runs 1/4 the sequences per micro batch."""
+    global_batch_tokens: int = Field(ge=1)
+    """Tokens per optimizer step over all devices; fixed for the whole run."""
+    critical_batch_tokens: int | None = Field(default=None, ge=1)
+    """The critical batch size when known (e.g. the `gns/b_simple` a previous run logged); the linter warns when the
+    global batch is far above it."""
+
+
+class OptimizerSection(Section):
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Applied to matrices only; norms, biases and embeddings-free 1-D params get none."""
+    fused: bool | None = None
+    """Fused AdamW kernel (CUDA and CPU). Default: on."""
+
+
+class ScheduleSection(Section):
+    type: Literal["cosine", "wsd"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Final LR as a fraction of the peak."""
+    decay_fraction: float = Field(default=0.1, gt=0, le=1)
+    """WSD: fraction of all steps spent decaying, at the end of the run."""
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    """WSD: shape of the decay."""
+    decay_stage: str | None = None
+    """WSD: pin the decay to this stage (typically the anneal) instead of `decay_fraction`."""
+
+
+class YarnSection(Section):
+    factor: float = Field(gt=1)
+    original_max_position_embeddings: int = Field(ge=1)
+    """The context the model was trained at before this stage."""
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+
+
+class RopeSection(Section):
+    """RoPE change applied to the live model at the start of a stage (and kept for the rest of the run)."""
+
+    theta: float | None = Field(default=None, gt=0)
+    """New RoPE base, e.g. 500000 for a long-context stage."""
+    yarn: YarnSection | None = None
+    """YaRN scaling (Peng et al. 2023) on top of the current base."""
+
+    @model_validator(mode="after")
+    def _something(self) -> RopeSection:
+        if self.theta is None and self.yarn is None:
+            raise ValueError("set `theta`, `yarn`, or both")
+        return self
+
+
+class LongDocsSection(Section):
+    min_tokens: int = Field(ge=1)
+    """Documents of at least this many tokens count as long."""
+    upweight: int = Field(default=4, ge=1)
+    """Sequences from long documents are sampled this many times more often."""
+
+
+class StageSection(Section):
+    name: str
+    steps: int | None = Field(default=None, ge=1)
+    tokens: int | None = Field(default=None, ge=1)
+    """Length of the stage, in optimizer steps or in tokens (rounded up to whole steps)."""
+    seq_len: int = Field(ge=8)
+    mixture: dict[str, float]
+    """Source name -> sampling weight (normalized to sum to 1, with a warning when they don't)."""
+    rope: RopeSection | None = None
+    long_docs: LongDocsSection | None = None
+
+    @model_validator(mode="after")
+    def _length(self) -> StageSection:
+        if (self.steps is None) == (self.tokens is None):
+            raise ValueError("set exactly one of `steps` or `tokens`")
+        if not self.mixture:
+            raise ValueError("`mixture` needs at least one source")
+        if any(w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0:
+            raise ValueError("mixture weights must be >= 0 and not all zero")
+        return self
+
+
+class PrecisionSection(Section):
+    mixed: Literal["no", "bf16", "fp16", "fp8"] = "bf16"
+    """`fp8` needs Hopper-class GPUs and an Accelerate fp8 backend (TransformerEngine, torchao or MS-AMP)."""
+
+    @field_validator("mixed", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `no` as false; that is what the author meant.
+        return "no" if v is False else v
+
+
+class ClippingSection(Section):
+    max_grad_norm: float | None = Field(default=1.0, ge=0)
+    """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still logged)."""
+
+
+class CheckpointSection(Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True)
+
+    every_minutes: float | None = Field(default=30.0, gt=0)
+    """Save when this much wall clock has passed since the last save (checked on logging steps)."""
+    every_tokens: int | None = Field(default=None, ge=1)
+    """Save each time the token count crosses a multiple of this. Whichever trigger comes first wins."""
+    at_stage_end: bool = True
+    keep_last: int = 3
+    """Newest checkpoints kept. At least 2: with one, a save that dies half-way or a spike just after it leaves
+    nothing good to go back to."""
+    keep_every_tokens: int | None = Field(default=None, ge=1)
+    """Also keep the first checkpoint past each multiple of this many tokens (milestones, never pruned)."""
+    async_: bool = Field(default=False, alias="async")
+    """Write in the background, blocking only for the copy to host memory (single process/DDP: a snapshot on the main
+    process; FSDP: DCP's staging on every rank). DeepSpeed saves synchronously (README, "Background saves")."""
+    remote: str | None = None
+    """fsspec URL (s3://bucket/run, file:///mnt/backup) each verified checkpoint is copied to, in the background, with
+    the same retention; `--resume auto` falls back to it when no local checkpoint is valid."""
+
+    @field_validator("keep_last")
+    @classmethod
+    def _at_least_two(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(
+                f"must be >= 2 (got {v}): with a single checkpoint, a save that dies half-way or a loss spike right "
+                "after it leaves nothing good to resume or roll back to"
+            )
+        return v
+
+
+class SpikesSection(Section):
+    enabled: bool = True
+    """Detect spikes and recover by rollback. Costs one host sync per step (the NaN guard reads two scalars)."""
+    window: int = Field(default=100, ge=5)
+    """Healthy steps the trend is fitted on."""
+    threshold: float = Field(default=3.0, gt=0)
+    """Mean z-score over `persistence` steps in a row that makes a spike; z is a loss's residual from the fitted
+    trend in robust sd of the noise around it (1.4826 x MAD). Each of those steps is above threshold / 2."""
+    persistence: int = Field(default=3, ge=1)
+    """Suspect steps in a row that make a spike (NaN/inf: one step)."""
+    min_history: int = Field(default=20, ge=3)
+    """Steps of the current stage needed before the trend is judged."""
+    grace_steps: int = Field(default=20, ge=0)
+    """No judgement this many steps after warmup and after each stage start (the trend is refitted on the new
+    stage's steps)."""
+    max_rollbacks: int = Field(default=5, ge=1)
+    rollback_window: int = Field(default=1000, ge=1)
+    """At most `max_rollbacks` rollbacks within this many steps; past it the run stops (exit code 76)."""
+    skip_margin: int = Field(default=0, ge=0)
+    """Samples skipped on each side of the samples blamed for a recurring spike."""
+    confirm_steps: int = Field(default=5, ge=1)
+    """Steps past the spike's end that a replay must stay healthy for the spike to count as transient."""
+
+
+class InjectSection(Section):
+    poison_samples: tuple[int, int, int] | None = None
+    """(stage, first, last): replace those samples' tokens by random ones, every time they are drawn."""
+    corrupt_optimizer_step: int | None = None
+    """Before this optimizer step, scale Adam's first moment by 1e4 (once per process: a transient)."""
+    nan_step: int | None = None
+    """Make this step's loss NaN (once per process)."""
+    nan_state_step: int | None = None
+    """After this step's update, put a NaN into the last rank's optimizer state (its own shard under ZeRO/FSDP),
+    where no loss shows it yet: the live check at the next save must flag that checkpoint (once per process)."""
+
+
+class DebugSection(Section):
+    """Fault injection for tests and drills. Off by default; never set it in a real run."""
+
+    inject: InjectSection = Field(default_factory=InjectSection)
+
+
+class LoggingSection(Section):
+    every_steps: int = Field(default=10, ge=1)
+    report_to: list[Literal["wandb", "tensorboard"]] = Field(default_factory=lambda: ["wandb", "tensorboard"])
+    """Trackers besides metrics.jsonl. W&B runs offline when no API key is configured."""
+    project: str = "pretrainer"
+    """W&B project / TensorBoard sub-directory."""
+    peak_tflops: float | None = Field(default=None, gt=0)
+    """Peak TFLOP/s of one device for MFU; default: a table of known GPUs (H100/H200 989 dense bf16), none on CPU."""

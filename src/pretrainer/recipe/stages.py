@@ -1,0 +1,47 @@
+"""The stage map, read off the recipe's run plan: which stage step N is in never depends on trainer state.
+
+The global batch is fixed in tokens for the whole run, so a stage's steps, tokens and sequences per step follow
+from the recipe alone (see plan.py, where they are derived once).
+"""
+
+from __future__ import annotations
+
+from ..errors import RecipeError
+from .plan import StageSpan, stage_at
+from .schema import Recipe
+
+__all__ = ["StageSpan", "stage_at", "stage_spans", "total_steps", "grad_accum_steps", "branch_decay_recipe"]
+
+
+def stage_spans(recipe: Recipe) -> list[StageSpan]:
+    """All stages with their step ranges, in order."""
+    return list(recipe.plan.spans)
+
+
+def total_steps(recipe: Recipe) -> int:
+    return recipe.plan.total_steps
+
+
+def grad_accum_steps(recipe: Recipe, world_size: int) -> int:
+    """Micro batches per device per optimizer step; the same in every stage."""
+    return recipe.plan.grad_accum(world_size)
+
+
+def branch_decay_recipe(recipe: Recipe, from_step: int, decay_steps: int) -> Recipe:
+    """A recipe that ends `decay_steps` after `from_step`, decaying (WSD) over exactly those steps.
+
+    The stage holding `from_step` is cut to end there plus the decay; later stages are dropped. Used to branch an
+    anneal off any stable-phase checkpoint without touching the original run.
+    """
+    if recipe.schedule.type != "wsd":
+        raise RecipeError("--branch-decay-from: only a WSD schedule has a stable phase to branch a decay from")
+    span = recipe.plan.stage_at(from_step)
+    data = recipe.model_dump(mode="json")
+    stage = dict(data["stages"][span.index], steps=from_step - span.start_step + decay_steps, tokens=None)
+    data["stages"] = data["stages"][: span.index] + [stage]
+    total = span.start_step + stage["steps"]
+    data["schedule"].update(decay_stage=None, decay_fraction=decay_steps / total)
+    out = Recipe.model_validate(data)
+    if out.plan.decay_steps != decay_steps:  # float rounding must not move the decay by a step
+        raise RecipeError(f"--decay-steps: {decay_steps} cannot be represented over {total} steps")
+    return out

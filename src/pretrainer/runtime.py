@@ -1,0 +1,49 @@
+"""Process state that lives outside the model: the RNG streams, and the torch optimizer inside the wrappers."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+
+def innermost_optimizer(optimizer):
+    """The torch optimizer inside Accelerate's wrapper (and DeepSpeed's, whose fp32 partitions hold the moments)."""
+    while getattr(optimizer, "optimizer", None) is not None:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def rng_state() -> dict:
+    """Python, NumPy, torch (and CUDA) RNG states as tensors and plain tuples only, so they load with
+    `weights_only=True`."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    out = {
+        "random": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_kept():
+    """Restore every RNG stream on exit (a library that seeds its own must not change the training run)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

@@ -1,0 +1,91 @@
+"""The objects a step needs, built from the recipe: the accelerator (process group, mixed precision, fp8), the
+optimizer's parameter groups, and the DeepSpeed settings the recipe owns."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+
+from ..errors import PretrainerError
+from ..observe.tracking import tracker_setup
+from ..recipe.plan import RunPlan
+from ..recipe.schema import Recipe
+
+
+def fp8_capable() -> bool:
+    """An NVIDIA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_kwargs() -> list:
+    """fp8 through Accelerate: torchao's float8 training where installed, else Accelerate's default backend
+    (TransformerEngine or MS-AMP), which names what is missing."""
+    if not fp8_capable():
+        where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU"
+        raise PretrainerError(
+            f"precision.mixed: fp8 needs an NVIDIA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+            f"Blackwell); this machine has {where}. Use bf16 here"
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        return []
+    from accelerate.utils import AORecipeKwargs
+
+    return [AORecipeKwargs()]
+
+
+def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator:
+    kwargs = fp8_kwargs() if recipe.precision.mixed == "fp8" else []
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Without this every CPU rank would believe it is rank 0 of 1 (the default backend is nccl).
+        kwargs.append(InitProcessGroupKwargs(backend="gloo"))
+    try:
+        acc = Accelerator(
+            mixed_precision=recipe.precision.mixed,
+            gradient_accumulation_steps=grad_accum,
+            log_with=tracker_setup(recipe.logging.report_to, output_dir) or None,
+            project_dir=str(output_dir),
+            kwargs_handlers=kwargs,
+        )
+    except (ValueError, ImportError) as e:
+        raise PretrainerError(f"precision.mixed: {recipe.precision.mixed!r} is not usable here: {e}") from None
+    if (
+        os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        and acc.distributed_type != DistributedType.FSDP
+    ):
+        # Accelerate turns FSDP on only for accelerator launches (GPU, XPU, NPU, HPU...); on CPU processes it would
+        # train plain DDP, with a full model and optimizer on every rank. Never fall back silently.
+        raise PretrainerError(
+            f"the launch asks for FSDP (ACCELERATE_USE_FSDP=true) but Accelerate enables it only on accelerators; "
+            f"here it is {acc.distributed_type.value}, which would train as plain data parallel with full copies. "
+            "On CPU processes use a DeepSpeed config (accelerate_configs/zero3.yaml); FSDP needs GPUs"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if acc.num_processes != world:  # a CPU launch without a process group: every rank would think it is alone
+        raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
+    return acc
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms' gains and biases keep their scale."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int) -> None:
+    """The recipe, not the launcher config, decides micro batch, accumulation and clipping."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    micro = plan.spans[0].micro_batch_size
+    ds["train_micro_batch_size_per_gpu"] = micro
+    ds["gradient_accumulation_steps"] = grad_accum
+    ds["train_batch_size"] = micro * grad_accum * accelerator.num_processes
+    ds["gradient_clipping"] = 0.0 if plan.max_grad_norm is None else plan.max_grad_norm  # DeepSpeed's "off" is 0

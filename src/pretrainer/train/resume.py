@@ -1,0 +1,45 @@
+"""Resume policy: which checkpoint `--resume` continues from, and whether this recipe may continue it. The store
+(checkpoint/manager.py) lists and verifies; this module decides; the loop loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ..checkpoint import CheckpointManager, read_meta
+from ..errors import PretrainerError
+from ..observe import events as ev
+from ..recipe.loading import training_diff
+from .recovery import episode_target
+
+
+def choose_checkpoint(store: CheckpointManager, spec: str, ledger: dict | None) -> Path | None:
+    """Clean up dead saves, then the checkpoint `spec` names (`none`, `auto` or a path); with `auto`, an open spike
+    episode's target when a process died during its replay. None: start from scratch."""
+    store.clean_incomplete()
+    if spec == "none" or (path := store.find(spec)) is None:
+        return None
+    if spec == "auto":
+        path = episode_target(path, read_meta(path)["step"], ledger, store.verify)
+    return path
+
+
+def check_compatible(path: Path, recipe: dict, allow_change: bool, log, run_dir: Path, is_main: bool) -> None:
+    """Refuse a checkpoint that the current recipe cannot continue, unless the change is allowed; an allowed change
+    is logged and the checkpoint's recipe kept beside the run's as `recipe.step_N.yaml`.
+
+    Raises:
+        PretrainerError: the recipe changed what is trained and `--allow-recipe-change` was not given.
+    """
+    meta = read_meta(path)
+    if not (diffs := training_diff(meta["recipe"], recipe)):
+        return
+    if not allow_change:
+        raise PretrainerError(
+            f"--resume {path}: the recipe changed since this checkpoint; pass --allow-recipe-change to accept:\n  "
+            + "\n  ".join(diffs)
+        )
+    log.event(ev.RECIPE_CHANGE, meta["step"], differences=diffs)
+    if is_main:
+        (Path(run_dir) / f"recipe.step_{meta['step']:08d}.yaml").write_text(yaml.safe_dump(meta["recipe"]))

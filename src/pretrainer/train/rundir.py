@@ -1,0 +1,74 @@
+"""The run directory: one run at a time (an exclusive lock), and an old run cleared only once the new one has passed
+every check (`--overwrite` never destroys a run for a recipe that then fails)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from ..errors import PretrainerError
+
+LOCK = ".lock"
+OLD_RUN = ("metrics.jsonl", "events.jsonl", "wandb_id", "skip_ledger.json", "recipe.resolved.yaml")
+
+
+class RunDir:
+    """Holds the run directory's lock (main process) for the life of the process; the OS releases it when the
+    process ends, however it ends, so a lock is never stale."""
+
+    def __init__(self, output_dir: Path, resume: str, overwrite: bool, is_main: bool | None = None):
+        self.path = Path(output_dir)
+        self.is_main = int(os.environ.get("RANK", "0")) == 0 if is_main is None else is_main
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._fd = self._lock() if self.is_main else None
+        holds_run = (self.path / "metrics.jsonl").exists()
+        if holds_run and resume == "none" and not overwrite:
+            raise PretrainerError(
+                f"{self.path}: already holds a run (metrics.jsonl); continue it with --resume auto, choose "
+                f"another --output-dir, or pass --overwrite to start over"
+            )
+        self.stale = holds_run and resume == "none"
+
+    def _lock(self) -> int:
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise PretrainerError(
+                f"{self.path}: in use by another run (pid {holder}); wait for it to end or choose another --output-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    @contextlib.contextmanager
+    def released_after(self, always: bool = True):
+        """Give the lock back when the block ends (`always`) or only when it fails."""
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        if always:
+            self.release()
+
+    def release(self) -> None:
+        """Give the lock back now (the process may go on, e.g. a test or a notebook running another run)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def clear_old_run(self) -> None:
+        """With `--overwrite`, after the new run's recipe, data, tokenizer and model are known good: remove the old
+        run's logs, ledger and checkpoints (main process)."""
+        if not (self.stale and self.is_main):
+            return
+        for name in OLD_RUN:
+            (self.path / name).unlink(missing_ok=True)
+        shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+        self.stale = False

@@ -1,0 +1,204 @@
+"""Loss-spike detection against the local trend, in units of the noise around that trend.
+
+Rule: over the last `window` healthy steps, fit the trend robustly (a quadratic in the step, refit once without the
+points more than 3 robust sd off it), predict the current step, and measure the noise as the robust sd
+(1.4826 x MAD) of the residuals, floored at `min_rel_scale` x the predicted loss. A step's z-score is its residual
+over the noise. A step is *suspect* when z > threshold / 2; a spike is `persistence` suspect steps in a row whose mean
+z exceeds `threshold`, dated from the first (the onset). NaN/inf in the loss or the gradient norm is a spike at once.
+
+Why a trend: while the loss is falling, the spread of raw levels in a window measures the descent, not the noise;
+residuals from the fitted trend measure the noise alone, so the same threshold holds on a steep early curve, a
+plateau and after a stage change. No judgement during a grace period after warmup and after each stage start (the
+level shifts when seq_len, RoPE or the mixture change; the trend is re-estimated from the new stage's steps only).
+Suspect losses enter the window only once the run of suspects ends without a spike, so a spike cannot raise its own
+baseline and ordinary noise is not censored.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+MAD_TO_SD = 1.4826
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str
+    """`ok`, `suspect` (above the bar, not yet a spike) or `spike`."""
+    onset: int | None = None
+    reason: str = ""
+    zscore: float = 0.0
+    expected: float | None = None
+    """The trend's prediction for the step (None where no trend was fitted)."""
+    noise: float | None = None
+    """The noise sd around the trend."""
+
+
+def robust_sd(residuals: np.ndarray) -> float:
+    return MAD_TO_SD * float(np.median(np.abs(residuals - np.median(residuals))))
+
+
+def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float) -> tuple[float, float]:
+    """(the trend's prediction at step `at`, the robust sd of the residuals around it).
+
+    A quadratic in the step (linear below 8 points) fitted by least squares, then refitted without the points more
+    than 3 robust sd off: curvature of an early power-law descent is in the trend, not the noise.
+    """
+    span = max(1.0, float(at - steps.min()))
+    u = (steps - at) / span  # centred on the prediction point: the prediction is the intercept
+    deg = 2 if len(u) >= 8 else 1
+    a = np.vander(u, deg + 1, increasing=True)
+    coef = np.linalg.lstsq(a, losses, rcond=None)[0]
+    resid = losses - a @ coef
+    sd = robust_sd(resid)
+    keep = np.abs(resid) <= 3 * sd if sd > 0 else np.ones(len(u), bool)
+    if keep.sum() > deg + 2 and not keep.all():
+        coef = np.linalg.lstsq(a[keep], losses[keep], rcond=None)[0]
+        resid = losses - a @ coef
+        sd = robust_sd(resid)
+        keep = np.abs(resid) <= 3 * sd
+    # The MAD alone is a noisy scale on a few dozen points (a stage's first steps); the sd of the inliers is more
+    # efficient and sees heavy shoulders. Corrected for the fitted parameters and for the 3-sd truncation (0.986).
+    n_in = int(keep.sum())
+    if n_in > deg + 2:
+        sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
+    return float(coef[0]), sd
+
+
+class SpikeDetector:
+    def __init__(
+        self,
+        window: int = 100,
+        threshold: float = 3.5,
+        persistence: int = 3,
+        min_history: int = 20,
+        min_rel_scale: float = 1e-3,
+        grace_steps: int = 20,
+    ):
+        self.window, self.threshold, self.persistence = window, threshold, persistence
+        self.min_history, self.min_rel_scale, self.grace_steps = min_history, min_rel_scale, grace_steps
+        self.cap = threshold + 1
+        self.history: deque[tuple[int, float]] = deque(maxlen=window)
+        self.grace_until = 0
+        self.run: list[tuple[int, float, float]] = []  # (step, loss, z) of the current run of suspect steps
+
+    def start_grace(self, step: int, forget: bool = True) -> None:
+        """After warmup or a stage start: judge nothing for `grace_steps`; optionally forget the old trend."""
+        self.grace_until = step + self.grace_steps
+        if forget:
+            self.history.clear()
+        self.run = []
+
+    def zscore(self, step: int, loss: float) -> tuple[float, float, float]:
+        """(z, predicted loss, noise sd) of `loss` at `step` against the window's trend."""
+        steps = np.fromiter((s for s, _ in self.history), float, len(self.history))
+        losses = np.fromiter((v for _, v in self.history), float, len(self.history))
+        pred, sd = trend_fit(steps, losses, step)
+        scale = max(sd, self.min_rel_scale * abs(pred), 1e-8)
+        return (loss - pred) / scale, pred, scale
+
+    def _accept(self, step: int, loss: float) -> None:
+        for s, v, z in self.run:  # the suspects were noise after all (a gross one-step outlier stays out)
+            if z <= self.threshold:
+                self.history.append((s, v))
+        self.run = []
+        self.history.append((step, loss))
+
+    def update(self, step: int, loss: float, grad_norm: float | None = None) -> Verdict:
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            self.run = []
+            what = "loss" if not math.isfinite(loss) else "grad_norm"
+            return Verdict("spike", step, f"non-finite {what}", math.inf)
+        if step < self.grace_until or len(self.history) < self.min_history:
+            self._accept(step, loss)
+            return Verdict("ok")
+        z, pred, scale = self.zscore(step, loss)
+        if z <= self.threshold / 2:
+            self._accept(step, loss)
+            return Verdict("ok", zscore=z)
+        self.run.append((step, loss, z))
+        if len(self.run) < self.persistence:
+            return Verdict("suspect", self.run[0][0], zscore=z)
+        # each step counts at most threshold + 1: one gross outlier among mild ones is noise, not a spike
+        mean_z = statistics.fmean(min(x[2], self.cap) for x in self.run)
+        if mean_z > self.threshold:
+            onset, self.run = self.run[0][0], []
+            reason = f"loss {mean_z:.1f} noise sd above its trend ({pred:.4g} +- {scale:.2g})"
+            return Verdict("spike", onset, reason, mean_z, pred, scale)
+        s, v, _ = self.run.pop(0)  # a long, mild rise is no spike: the oldest suspect joins the trend
+        self.history.append((s, v))
+        return Verdict("suspect", self.run[0][0], zscore=z)
+
+    def state_dict(self) -> dict:
+        return {
+            "history": [list(x) for x in self.history],
+            "grace_until": self.grace_until,
+            "run": [list(x) for x in self.run],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        hist = state["history"]
+        if hist and not isinstance(hist[0], list | tuple):  # an older checkpoint kept levels without steps
+            hist = [[i - len(hist), v] for i, v in enumerate(hist)]
+        self.history = deque(((int(s), float(v)) for s, v in hist), maxlen=self.window)
+        self.grace_until = int(state["grace_until"])
+        self.run = [tuple(x) for x in state["run"] if isinstance(x, list | tuple)]
+
+
+def spike_episodes(losses: list[tuple[int, float]], grace_at: list[int] | tuple = ()) -> list[dict]:
+    """Replay the live rule (defaults) over a logged per-step loss curve: each spike's onset, the step it was
+    detected, and the step the loss came back under its pre-spike trend (None: it never did).
+
+    Args:
+        grace_at: steps where a grace period starts, as in training (the end of warmup, each stage start).
+    """
+    det, episodes, open_ep = SpikeDetector(), [], None
+    graces = sorted(grace_at)
+    if losses:
+        det.start_grace(losses[0][0])
+    for step, loss in losses:
+        while graces and step >= graces[0]:
+            det.start_grace(graces.pop(0))
+        if open_ep is not None:
+            if math.isfinite(loss) and loss <= open_ep["bound"]:
+                open_ep["recovered"], open_ep = step, None
+                det.start_grace(step, forget=False)
+            continue
+        d = det.update(step, loss)
+        if d.kind == "spike":
+            bound = d.expected + det.threshold / 2 * d.noise if d.expected is not None else math.inf
+            open_ep = {"onset": d.onset, "detected": step, "recovered": None, "bound": bound}
+            episodes.append(open_ep)
+    return episodes
+
+
+def sample_ranges(indices: list[int], margin: int) -> list[tuple[int, int]]:
+    """Sorted sample indices -> inclusive (first, last) ranges, each widened by `margin` and merged."""
+    out: list[list[int]] = []
+    for i in sorted(indices):
+        a, b = max(0, i - margin), i + margin
+        if out and a <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def outliers(values: list[float], threshold: float = 6.0) -> list[int]:
+    """Positions of values far above the rest, for attributing a spike to individual samples.
+
+    The spread is the MAD of the values at or below the median: poisoned samples sit above it, so up to half of the
+    values can be bad without inflating the scale that judges them.
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    if len(finite) < 3:
+        return [i for i, v in enumerate(values) if not math.isfinite(v)]
+    med = statistics.median(finite)
+    mad = statistics.median(med - v for v in finite if v <= med)
+    scale = max(MAD_TO_SD * mad, 0.01 * abs(med), 1e-8)
+    return [i for i, v in enumerate(values) if not math.isfinite(v) or (v - med) / scale > threshold]

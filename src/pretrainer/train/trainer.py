@@ -1,0 +1,430 @@
+"""The training loop, composed of small stateful parts; the same loop on one CPU process and on many nodes.
+`steps()`: enter the step's stage, take one step, then re-read what a rollback restored or do the periodic work."""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from accelerate.utils import DistributedType, set_seed
+from tqdm.auto import tqdm
+
+from ..checkpoint import CheckpointManager, Restored
+from ..checkpoint.export import save_final
+from ..data.pipeline import StageBatches, get_tokenizer, load_sources
+from ..evaluation.downstream import Downstream
+from ..evaluation.validation import Evaluator, eval_due, sample_losses
+from ..faults import kill_point
+from ..model.build import StageRope, build_config, build_model, count_params, flops_per_token, non_embedding_params
+from ..model.masking import model_inputs
+from ..observe import events as ev
+from ..observe.console import announce, end_block, start_block
+from ..observe.health import HealthMonitor
+from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
+from ..observe.tracking import RunLog, alert, quiet_known_noise
+from ..observe.wandb_history import init_trackers
+from ..recipe.lint import lint
+from ..recipe.loading import flatten, recipe_dict, recipe_hash
+from ..recipe.schedules import LRController, lr_lambda
+from ..recipe.schema import Recipe
+from .accelerator import configure_deepspeed, make_accelerator, param_groups
+from .decisions import OK, Abort, Decision, Ok
+from .gns import GradientNoise
+from .inject import PoisonedBatches, StepFaults, wants_step_faults
+from .preemption import Preempted, PreemptFlag
+from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
+from .resume import check_compatible, choose_checkpoint
+from .rundir import RunDir
+from .saving import SaveClock
+from .state import Parts, RunState
+from .step import StepOutcome, StepRunner
+
+
+class Trainer:
+    """Runs a recipe. `Trainer(recipe).train()` is the whole program."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        output_dir: str | Path | None = None,
+        overwrite: bool = False,
+        resume: str = "none",
+        allow_recipe_change: bool = False,
+        deep_verify: bool = False,
+    ):
+        self.recipe, self.plan, self.deep_verify = recipe, recipe.plan, deep_verify
+        self.recipe_plain, self.recipe_hash = recipe_dict(recipe), recipe_hash(recipe)
+        self.output_dir = Path(output_dir or recipe.output_dir)
+        self.resume_spec, self.allow_recipe_change = resume, allow_recipe_change
+        self.rundir = RunDir(self.output_dir, resume, overwrite)
+        self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends the run with exit 75
+        with self.rundir.released_after(always=False):
+            self._setup()
+
+    def _setup(self) -> None:
+        recipe = self.recipe
+        self.spans, self.total_steps = list(self.plan.spans), self.plan.total_steps
+        self.grad_accum = self.plan.grad_accum(int(os.environ.get("WORLD_SIZE", "1")))
+        self.accelerator = acc = make_accelerator(recipe, self.output_dir, self.grad_accum)
+        quiet_known_noise()
+        with acc.main_process_first():
+            self.tokenizer = get_tokenizer(recipe)
+            self.sources = load_sources(recipe, self.tokenizer)
+        self.available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
+        self._build_model()
+        self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
+        acc.wait_for_everyone()
+        self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
+        if acc.is_main_process:
+            announce(recipe, self.output_dir, self.available)
+        self._build_parts()
+
+    def _build_model(self) -> None:
+        recipe, acc, tok = self.recipe, self.accelerator, self.tokenizer
+        set_seed(recipe.run.seed)  # the same initial weights on every rank and every run
+        self.config = build_config(
+            recipe.model, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
+        model = build_model(recipe.model, self.config)
+        self.n_params, self.n_non_emb = count_params(model), non_embedding_params(model)
+        self.peak = peak_tflops(recipe.logging.peak_tflops)
+        opt = recipe.optimizer
+        # Fused AdamW (one kernel for all parameters) exists for CUDA and CPU; it is what the HF Trainer uses too.
+        self.fused = opt.fused if opt.fused is not None else True
+        optimizer = torch.optim.AdamW(
+            param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=self.fused or None
+        )
+        configure_deepspeed(acc, self.plan, self.grad_accum)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
+        self.scheduler = LRController(self.optimizer, lr_lambda(recipe), opt.lr)
+        self.rope = StageRope(acc.unwrap_model(self.model), recipe.stages)
+
+    def _build_parts(self) -> None:
+        recipe, acc = self.recipe, self.accelerator
+        self.state, self.loss_stats = RunState(), LossStats()
+        attn = acc.unwrap_model(self.model).config._attn_implementation
+        self.inputs = model_inputs(recipe.data.document_masking, self.tokenizer.eos_token_id, attn)
+        # The noise scale needs one micro batch's own gradient: not available when DeepSpeed/FSDP shard gradients,
+        # nor when a step is a single micro batch on a single process.
+        plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        self.gns = GradientNoise(recipe.logging.every_steps) if plain and self.grad_accum > 1 else None
+        self.ckpt = CheckpointManager(
+            acc,
+            recipe.checkpoint,
+            self.output_dir / "checkpoints",
+            model=self.model,
+            optimizer=self.optimizer,
+            log=self.log,
+            extra_files={"tokenizer": self.tokenizer.save_pretrained},
+            deep_verify=self.deep_verify,
+        )
+        self.save_clock = SaveClock(recipe.checkpoint, acc)
+        self.spikes = self._spike_handler() if recipe.spikes.enabled else None
+        self.parts = Parts()
+        self.parts.register("lr", self.scheduler)
+        self.parts.register("loss_stats", self.loss_stats)
+        if self.gns is not None:
+            self.parts.register("gns", self.gns)
+        if self.spikes is not None:
+            self.parts.register("spikes", self.spikes)
+        self.evaluate = Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs)
+        self.downstream = Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps)
+        inject = recipe.debug.inject
+        self.runner = StepRunner(
+            acc,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.plan.max_grad_norm,
+            self.log,
+            guard=self.spikes is not None,
+            inputs=self.inputs,
+            gns=self.gns,
+            faults=StepFaults(inject, self.log) if wants_step_faults(inject) else None,
+        )
+        self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
+        if self.health is not None:
+            self.log.observers.append(self.health)
+        self._batchers: dict[int, StageBatches] = {}
+        self.applied_stage = -1  # stages whose RoPE changes are in the live model
+        self.span, self.batcher, self.last = None, None, {}
+
+    def _spike_handler(self) -> SpikeHandler:
+        acc = self.accelerator
+
+        def losses(stage, cursor, skips):  # a past step's per-sample losses, for blame (no state changes)
+            return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips, self.inputs)
+
+        alerts = partial(alert, acc, self.recipe.logging.report_to)
+        return SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, losses, self.log, alerts)
+
+    # ------------------------------------------------------------------ collaborators
+
+    def batches_for(self, stage: int) -> StageBatches:
+        if stage not in self._batchers:
+            args = (self.recipe.stages[stage], self.spans[stage], self.sources, self.recipe.run.seed)
+            poison = self.recipe.debug.inject.poison_samples
+            if poison is not None and poison[0] == stage:  # a drill: the same samples poisoned at every draw
+                batches = PoisonedBatches(*args, first=poison[1], last=poison[2], vocab_size=self.config.vocab_size)
+            else:
+                batches = StageBatches(*args)
+            self._batchers[stage] = batches
+        return self._batchers[stage]
+
+    # ------------------------------------------------------------------ the run
+
+    def train(self) -> dict[str, float]:
+        """Train through every stage (resuming if asked), checkpointing and evaluating, then export `final/`.
+        Returns the last logged metrics; raises Preempted (after a checkpoint) on SIGTERM/SIGINT."""
+        with self.rundir.released_after():
+            for _ in self.steps():
+                pass
+            self.save_final()
+            self.log.event(ev.RUN_END, self.state.step, tokens=self.state.tokens)
+        self.accelerator.end_training()
+        if self.health is not None:
+            print(
+                end_block(
+                    self.output_dir,
+                    self.health.val,
+                    self.log.counts,
+                    self.recipe.logging.report_to,
+                    self.health.context,
+                )
+            )
+        return self.last
+
+    def steps(self):
+        """The loop as a generator: set up (or resume), then yield the step number after every optimizer step, with
+        its logging, evaluation and checkpointing done. `train()` drains it; benchmarks interleave it."""
+        self._start()
+        while self.state.step < self.total_steps:
+            self._enter_stage()
+            outcome = self._one_step()
+            if isinstance(decision := self._decide(outcome), Ok):
+                self._periodic(outcome)
+                yield self.state.step
+            else:
+                self._act(decision)
+        self.bar.close()
+        self.ckpt.finish()
+
+    def _start(self) -> None:
+        acc, recipe = self.accelerator, self.recipe
+        init_trackers(acc, recipe, self.output_dir, self.log, config=flatten(self.recipe_plain))
+        restored = self._resume()
+        if acc.is_main_process:
+            print(
+                start_block(
+                    recipe,
+                    self.n_params,
+                    acc.num_processes,
+                    recipe.logging.report_to,
+                    self.output_dir,
+                    str(restored.path) if restored else None,
+                ),
+                flush=True,
+            )
+        if restored is None:
+            self.log.event(
+                ev.RUN_START, 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes
+            )
+            if findings := lint(recipe, self.available):
+                self.log.event(ev.LINT, 0, findings=[f.to_dict() for f in findings])
+        self.bar = tqdm(
+            total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process, desc="train"
+        )
+        if recipe.eval.every_steps and restored is None:
+            # The baseline at initialisation: every later validation loss is read against it.
+            first = self.spans[0]
+            vals = {**self.evaluate(first.seq_len, first.micro_batch_size), **self.downstream(0)}
+            self.log.metrics(0, {"tokens": 0, "stage": first.name, **vals})
+        if self.preempt.check(acc, log_step=True):  # stopped before training began: the last checkpoint stands
+            raise Preempted("preempted before the first step; nothing new to save; continue with --resume auto")
+        self.window = StepWindow()
+        if self.spikes and restored is None:
+            self.spikes.start_grace(recipe.schedule.warmup_steps)
+        self.save_clock.mark()
+
+    def _enter_stage(self) -> None:
+        """At a stage boundary (or after a resume or rollback): pick the stage, its batches and its RoPE."""
+        st = self.state
+        if self.span is not None and st.step < self.span.end_step:
+            return
+        prev = self.span.index if self.span is not None else self.applied_stage
+        span = self.span = self.plan.stage_at(st.step)
+        self.batcher = self.batches_for(span.index)
+        if span.index != st.stage_index:
+            st.stage_index, st.cursor = span.index, 0
+        rope = self.rope.enter(prev, span.index)  # RoPE as trained, into final/config.json
+        self.applied_stage = span.index
+        if prev == span.index:  # back in the stage we were in (a rollback): nothing new starts
+            return
+        if self.spikes and span.index > 0 and st.step == span.start_step:
+            self.spikes.start_grace(st.step)
+        self.log.event(
+            ev.STAGE_START,
+            st.step,
+            stage=span.name,
+            seq_len=span.seq_len,
+            tokens=span.tokens,
+            rope=rope,
+            mixture=self.recipe.stages[span.index].mixture,
+            long_docs={n: t.n_long for n, t in self.batcher.tables.items() if t.n_long},
+        )
+
+    def _one_step(self) -> StepOutcome:
+        """One optimizer step on the stage's next batches; the run state moves on by one step."""
+        st, span, acc = self.state, self.span, self.accelerator
+        self.lr = self.scheduler.get_last_lr()[0]
+        cursor, t0 = st.cursor, time.perf_counter()
+        batches, st.cursor, _ = self.batcher.step_batches(
+            cursor, acc.process_index, acc.num_processes, st.skips_for(span.index)
+        )
+        self.window.data_s += time.perf_counter() - t0  # host time building the step's batches: the data wait
+        outcome = self.runner(batches, st.step + 1)
+        self.tokens_before = st.tokens
+        st.step += 1
+        st.tokens += span.tokens_per_step
+        self.window.add(st.step, outcome.loss, span.tokens_per_step)
+        kill_point(f"step:{st.step}")
+        if self.spikes is not None:
+            self.spikes.record(st.step, span.index, cursor)
+        return outcome
+
+    def _decide(self, outcome: StepOutcome) -> Decision:
+        """What the parts make of the step (the spike handler alone, for now)."""
+        if self.spikes is None:
+            return OK
+        loss, grad_norm = outcome.observed
+        return self.spikes.after_step(outcome.step, loss, grad_norm, self.state.skips)
+
+    def _act(self, decision: Decision) -> None:
+        """The one place where a decision changes the run: stop, or restore a checkpoint and replay."""
+        if isinstance(decision, Abort):
+            raise SpikeAbort(decision.message)
+        st, acc = self.state, self.accelerator
+        for stage, first, last in decision.skips:
+            st.add_skip(stage, first, last)
+        restored = self.ckpt.load(decision.target)
+        st.rewind(restored.meta)
+        self.parts.load_state_dict(restored.meta, rollback=True)
+        if acc.is_main_process:
+            write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
+        replayed = decision.step - st.step
+        self.log.event(ev.ROLLBACK, decision.step, to_step=st.step, path=str(decision.target), replayed=replayed)
+        alert(acc, self.recipe.logging.report_to, "Rollback", f"step {decision.step} -> {st.step} ({decision.target})")
+        self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
+        self.bar.n, self.span = st.step, None  # re-enter the stage the restored step is in
+        self.bar.refresh()
+
+    def _resume(self) -> Restored | None:
+        """`--resume`: choose the checkpoint (resume policy), load it, hand its meta to the run state and the parts,
+        then merge the run directory's skip ledger, which may be newer than the checkpoint."""
+        acc, ledger = self.accelerator, read_ledger(self.output_dir)
+        path = choose_checkpoint(self.ckpt, self.resume_spec, ledger)
+        if path is None:
+            return None
+        check_compatible(
+            path, self.recipe_plain, self.allow_recipe_change, self.log, self.output_dir, acc.is_main_process
+        )
+        restored = self.ckpt.load(path)
+        st = self.state
+        st.load_state_dict(restored.meta)
+        self.parts.load_state_dict(restored.meta)
+        if ledger:
+            st.merge_skips(ledger["skips"])
+            if self.spikes is not None:
+                self.spikes.merge_ledger(ledger)
+        stage = restored.meta["stage"]
+        self.log.event(
+            ev.RESUME, st.step, path=str(path), tokens=st.tokens, stage=stage, cursor=st.cursor, skips=st.skips
+        )
+        if acc.is_main_process:
+            print(f"resume: from {path} at step {st.step}", flush=True)
+        return restored
+
+    def _periodic(self, outcome: StepOutcome) -> None:
+        """After a step: log, evaluate, checkpoint, and stop cleanly on preemption."""
+        st, span, acc = self.state, self.span, self.accelerator
+        self.bar.update(1)
+        log_now = st.step % self.recipe.logging.every_steps == 0 or st.step == self.total_steps
+        reason = self.save_clock.due(self.tokens_before, st.tokens, st.step == span.end_step, log_now)
+        if self.preempt.check(acc, log_now):
+            reason = "preempt"
+        if log_now or reason:
+            self.last = self._log_train(outcome)
+            self.bar.set_postfix(
+                loss=f"{self.last['loss']:.3f}", lr=f"{self.lr:.2e}", tok_s=f"{self.last['tokens_per_s']:.0f}"
+            )
+        now, context = eval_due(self.recipe, st.step, span)
+        if now:
+            self._eval(context)
+        if reason or st.step == self.total_steps:
+            self._save(reason or "end")
+            self.window.reset_clock()
+        if reason == "preempt":
+            self.ckpt.finish()
+            self.bar.close()
+            raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
+
+    def _save(self, reason: str) -> None:
+        """A checkpoint of everything exact resume needs: the run state at the top of meta.json, each part under its
+        name, the recipe; the open spike episode's target kept from pruning."""
+        st = self.state
+        meta = {
+            **st.state_dict(),
+            **self.parts.state_dict(),
+            "stage": self.spans[st.stage_index].name,
+            "reason": reason,
+            "recipe_hash": self.recipe_hash,
+            "recipe": self.recipe_plain,
+        }
+        self.ckpt.save(meta, protected=self.spikes.protected() if self.spikes else frozenset())
+        self.save_clock.mark()
+
+    def _log_train(self, outcome: StepOutcome) -> dict:
+        """One metrics line (one host sync for all of the window's losses): loss, LR, grad norm, throughput, MFU,
+        memory, data wait, checkpoint blocking."""
+        st, span, grad_norm = self.state, self.span, outcome.grad_norm
+        steps, losses = self.window.flush(self.accelerator)
+        self.loss_stats.extend(losses)
+        record = train_record(
+            steps,
+            losses,
+            self.window,
+            tokens=st.tokens,
+            stage=span.name,
+            lr=self.lr,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            **{f"data/repeats/{n}": c for n, c in self.batcher.repeats.items()},
+            **({"ckpt/blocked_s": self.ckpt.take_blocked()} if self.ckpt.blocked_s else {}),
+        )
+        if self.peak is not None:  # model FLOPs per device-second over the device's peak
+            fpt = flops_per_token(self.config, self.n_non_emb, span.seq_len)
+            record["mfu"] = mfu(record["tokens_per_s"], fpt, self.accelerator.num_processes, self.peak)
+        if self.gns is not None:
+            small = span.micro_batch_size * span.seq_len
+            if (value := self.gns.estimate(self.accelerator, small, span.tokens_per_step, grad_norm)) is not None:
+                record["gns/b_simple"] = value
+        self.log.metrics(st.step, record)
+        return record
+
+    def _eval(self, context: bool) -> None:  # held-out losses (+ loss by position) and downstream scores
+        st, span = self.state, self.span
+        vals = {**self.evaluate(span.seq_len, span.micro_batch_size, context), **self.downstream(st.step)}
+        self.log.metrics(st.step, {"tokens": st.tokens, "stage": span.name, **vals})
+        if self.evaluate.context is not None:
+            self.log.event(ev.CONTEXT, st.step, **self.evaluate.context)
+        self.last.update(vals)
+        if self.health is not None:  # the same verdict as check_run.py, on what is logged so far
+            verdict, reasons = self.health.verdict()
+            self.log.event(ev.HEALTH, st.step, verdict=verdict, reasons=reasons)
+        self.window.reset_clock()  # eval time is not training throughput
+
+    def save_final(self) -> Path:  # `final/`: save_pretrained model + tokenizer
+        return save_final(self.accelerator, self.model, self.tokenizer, self.output_dir / "final")
