@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ContextEvalSection(Section):
@@ -35,14 +35,18 @@ class LmEvalSection(Section):
     limit: int | None = Field(default=None, ge=1)
     """Documents per task (None: all)."""
     num_fewshot: int | None = Field(default=None, ge=0)
+    """Few-shot examples per prompt (None: the task's default)."""
     include_path: str | None = None
     """A folder of local task YAMLs, relative to the working directory (e.g. `eval_tasks`)."""
     batch_size: int = Field(default=8, ge=1)
+    """Requests per forward pass."""
     at_start: bool = True
     """Score the untrained model too: the baseline every later score is read against."""
 
 
 class EvalSection(Section):
+    """Held-out evaluation: per-source loss, `val/ref`, loss by position, downstream tasks."""
+
     every_steps: int = Field(default=100, ge=0)
     """0 disables periodic evaluation (the final evaluation still runs)."""
     max_batches: int = Field(default=8, ge=1)

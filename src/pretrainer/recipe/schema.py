@@ -25,6 +25,8 @@ from .sections import (
 
 
 class Recipe(Section):
+    """A whole recipe: one typed section per YAML section."""
+
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection
     tokenizer: TokenizerSection

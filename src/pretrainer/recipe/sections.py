@@ -13,6 +13,8 @@ from .eval_sections import Section
 
 
 class RunSection(Section):
+    """What the run is called, where it writes, and its seed."""
+
     name: str = "run"
     """Run name, shown in trackers and used for the default output directory."""
     output_dir: str | None = None
@@ -22,6 +24,8 @@ class RunSection(Section):
 
 
 class ModelSection(Section):
+    """The model: a Hugging Face config (no weights are downloaded), its init, attention and kernels."""
+
     config: dict[str, Any]
     """A Hugging Face config dict; `model_type` picks the architecture (any type transformers knows)."""
     init_std: float | None = Field(default=0.02, gt=0)
@@ -53,13 +57,19 @@ class ModelSection(Section):
 
 
 class TokenizerTrainSection(Section):
+    """A byte-level BPE trained on the recipe's training documents, cached by content."""
+
     vocab_size: int = Field(default=4096, ge=256)
+    """Vocabulary size, special tokens included."""
     sources: list[str] | None = None
     """Sources whose training documents the tokenizer learns from. Default: all sources."""
     max_documents: int | None = Field(default=None, ge=1)
+    """Train on at most this many documents (None: all of them)."""
 
 
 class TokenizerSection(Section):
+    """The tokenizer: a hub id or local directory, or one trained on the recipe's own data."""
+
     path: str | None = None
     """A hub id or a local directory with a tokenizer."""
     train: TokenizerTrainSection | None = None
@@ -73,18 +83,24 @@ class TokenizerSection(Section):
 
 
 class SourceSection(Section):
+    """One named data source: where its documents come from and how good they are."""
+
     type: Literal["python_stdlib", "files", "hub"]
     """`python_stdlib`: the stdlib's own source files; `files`: local text/jsonl/parquet; `hub`: a hub dataset id."""
     include: list[str] = Field(default_factory=list)
     """Glob patterns. For `python_stdlib` relative to the stdlib directory; for `files` relative to the working dir."""
     exclude: list[str] = Field(default_factory=list)
+    """Glob patterns removed from what `include` matched."""
     path: str | None = None
     """`hub`: the dataset id."""
     name: str | None = None
     """`hub`: the dataset config name."""
     split: str = "train"
+    """`hub`: the dataset split to read."""
     text_field: str = "text"
+    """The field holding each document's text (jsonl, parquet, hub)."""
     streaming: bool = True
+    """`hub`: stream the dataset instead of downloading it whole first."""
     max_documents: int | None = Field(default=None, ge=1)
     """Read at most this many documents (in file order)."""
     quality: Literal["low", "medium", "high"] = "medium"
@@ -100,6 +116,8 @@ class SourceSection(Section):
 
 
 class DataSection(Section):
+    """The named sources, their validation split, and where prepared tokens are cached."""
+
     sources: dict[str, SourceSection]
     validation_fraction: float = Field(default=0.02, gt=0, lt=0.5)
     """Fraction of each source's documents held out for validation (at least one document)."""
@@ -119,6 +137,8 @@ class DataSection(Section):
 
 
 class BatchSection(Section):
+    """The global batch in tokens (fixed for the run) and the micro batch per device."""
+
     micro_batch_size: int = Field(ge=1)
     """Sequences per device per forward pass, at the first stage's seq_len. Tokens per micro batch stay fixed
     across stages, so a stage at 4x the context runs 1/4 the sequences per micro batch."""
@@ -130,11 +150,16 @@ class BatchSection(Section):
 
 
 class OptimizerSection(Section):
+    """AdamW settings; the LR is the peak of the schedule."""
+
     type: Literal["adamw"] = "adamw"
+    """The optimizer (AdamW; decoupled weight decay)."""
     lr: float = Field(gt=0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam's (beta1, beta2)."""
     eps: float = Field(default=1e-8, gt=0)
+    """Adam's epsilon."""
     weight_decay: float = Field(default=0.1, ge=0)
     """Applied to matrices only; norms, biases and embeddings-free 1-D params get none."""
     fused: bool | None = None
@@ -142,8 +167,12 @@ class OptimizerSection(Section):
 
 
 class ScheduleSection(Section):
+    """One LR schedule over the whole run, indexed by the optimizer step: warmup, then cosine or WSD."""
+
     type: Literal["cosine", "wsd"] = "cosine"
+    """`cosine` (transformers' cosine to `min_lr_ratio`) or `wsd` (warmup, stable, decay)."""
     warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup from ~0 to the peak LR, in optimizer steps."""
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     """Final LR as a fraction of the peak."""
     decay_fraction: float = Field(default=0.1, gt=0, le=1)
@@ -155,11 +184,16 @@ class ScheduleSection(Section):
 
 
 class YarnSection(Section):
+    """YaRN RoPE scaling (Peng et al. 2023) applied at a stage start."""
+
     factor: float = Field(gt=1)
+    """The context extension factor."""
     original_max_position_embeddings: int = Field(ge=1)
     """The context the model was trained at before this stage."""
     beta_fast: float | None = None
+    """YaRN's beta_fast (None: transformers' default)."""
     beta_slow: float | None = None
+    """YaRN's beta_slow (None: transformers' default)."""
 
 
 class RopeSection(Section):
@@ -178,6 +212,8 @@ class RopeSection(Section):
 
 
 class LongDocsSection(Section):
+    """Long-document upweighting for a long-context stage."""
+
     min_tokens: int = Field(ge=1)
     """Documents of at least this many tokens count as long."""
     upweight: int = Field(default=4, ge=1)
@@ -185,11 +221,16 @@ class LongDocsSection(Section):
 
 
 class StageSection(Section):
+    """One stage of the run: its length, context, mixture, and RoPE change."""
+
     name: str
+    """Unique name, used in logs, events and `schedule.decay_stage`."""
     steps: int | None = Field(default=None, ge=1)
+    """Length of the stage in optimizer steps (or give `tokens`)."""
     tokens: int | None = Field(default=None, ge=1)
     """Length of the stage, in optimizer steps or in tokens (rounded up to whole steps)."""
     seq_len: int = Field(ge=8)
+    """Context length of the stage's sequences."""
     mixture: dict[str, float]
     """Source name -> sampling weight (normalized to sum to 1, with a warning when they don't)."""
     rope: RopeSection | None = None
@@ -207,6 +248,8 @@ class StageSection(Section):
 
 
 class PrecisionSection(Section):
+    """Mixed precision through Accelerate."""
+
     mixed: Literal["no", "bf16", "fp16", "fp8"] = "bf16"
     """`fp8` needs Hopper-class GPUs and an Accelerate fp8 backend (TransformerEngine, torchao or MS-AMP)."""
 
@@ -218,18 +261,29 @@ class PrecisionSection(Section):
 
 
 class ClippingSection(Section):
+    """Gradient clipping by global norm."""
+
     max_grad_norm: float | None = Field(default=1.0, ge=0)
     """Clip the global gradient norm to this; null or 0 disables clipping (the norm is still logged)."""
 
 
 class CheckpointSection(Section):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, serialize_by_alias=True)
+    """When checkpoints are saved, how many are kept, and where they are copied."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        populate_by_name=True,
+        serialize_by_alias=True,
+        use_attribute_docstrings=True,
+    )
 
     every_minutes: float | None = Field(default=30.0, gt=0)
     """Save when this much wall clock has passed since the last save (checked on logging steps)."""
     every_tokens: int | None = Field(default=None, ge=1)
     """Save each time the token count crosses a multiple of this. Whichever trigger comes first wins."""
     at_stage_end: bool = True
+    """Save at the last step of every stage."""
     keep_last: int = 3
     """Newest checkpoints kept. At least 2: with one, a save that dies half-way or a spike just after it leaves
     nothing good to go back to."""
@@ -254,6 +308,8 @@ class CheckpointSection(Section):
 
 
 class SpikesSection(Section):
+    """Loss-spike detection against the trend, and recovery by rollback and data skips."""
+
     enabled: bool = True
     """Detect spikes and recover by rollback. Costs one host sync per step (the NaN guard reads two scalars)."""
     window: int = Field(default=100, ge=5)
@@ -269,6 +325,7 @@ class SpikesSection(Section):
     """No judgement this many steps after warmup and after each stage start (the trend is refitted on the new
     stage's steps)."""
     max_rollbacks: int = Field(default=5, ge=1)
+    """Rollbacks allowed within `rollback_window` steps."""
     rollback_window: int = Field(default=1000, ge=1)
     """At most `max_rollbacks` rollbacks within this many steps; past it the run stops (exit code 76)."""
     skip_margin: int = Field(default=0, ge=0)
@@ -278,6 +335,8 @@ class SpikesSection(Section):
 
 
 class InjectSection(Section):
+    """Fault injection for drills and tests (each fires once per process unless said otherwise)."""
+
     poison_samples: tuple[int, int, int] | None = None
     """(stage, first, last): replace those samples' tokens by random ones, every time they are drawn."""
     corrupt_optimizer_step: int | None = None
@@ -296,7 +355,10 @@ class DebugSection(Section):
 
 
 class LoggingSection(Section):
+    """Logging cadence, trackers, and the peak used for MFU."""
+
     every_steps: int = Field(default=10, ge=1)
+    """Optimizer steps per metrics row (one host read of the window's losses)."""
     report_to: list[Literal["wandb", "tensorboard"]] = Field(default_factory=lambda: ["wandb", "tensorboard"])
     """Trackers besides metrics.jsonl. W&B runs offline when no API key is configured."""
     project: str = "pretrainer"

@@ -365,14 +365,14 @@ class Trainer:
         if now:
             self._eval(context)
         if reason or st.step == self.total_steps:
-            self._save(reason or "end")
+            self.save_checkpoint(reason or "end")
             self.window.reset_clock()
         if reason == "preempt":
             self.ckpt.finish()
             self.bar.close()
             raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
 
-    def _save(self, reason: str) -> None:
+    def save_checkpoint(self, reason: str) -> None:
         """A checkpoint of everything exact resume needs: the run state at the top of meta.json, each part under its
         name, the recipe; the open spike episode's target kept from pruning."""
         st = self.state
