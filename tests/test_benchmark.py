@@ -15,6 +15,7 @@ def test_bench_gpu_skips_without_cuda(capsys):
     assert "skipped" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_bench_gpu_runs_the_trainer_per_variant(tmp_path, cache_dir):
     """On the CPU (--cpu) the plumbing runs as on a GPU: one real trainer run per variant, numbers from its own
     metrics; a variant that cannot run here is reported with its error and the others go on."""
@@ -128,6 +129,7 @@ def test_bench_checkpoint_runs_one_small_size(tmp_path, capsys):
         assert row[key] > 0, key
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_bench_eval_measures_each_window_in_its_own_process(capsys):
     import bench_eval
 

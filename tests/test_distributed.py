@@ -121,7 +121,7 @@ def resumed_from(ref: Path, out: Path, step: int) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config", ["zero2.yaml", "zero3.yaml"])
+@pytest.mark.parametrize("config", ["zero2.yaml", pytest.param("zero3.yaml", marks=pytest.mark.slow)])
 def test_zero_save_kill_resume_export(tmp_path, cache_dir, z3_ref, config):
     ref, out = z3_ref, tmp_path / "run"
     if config != "zero3.yaml":
@@ -155,6 +155,7 @@ def test_zero_save_kill_resume_export(tmp_path, cache_dir, z3_ref, config):
         assert torch.allclose(model.state_dict()[k], v), k
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 @pytest.mark.distributed
 def test_deepspeed_resumes_on_another_world_size(tmp_path, cache_dir, z3_ref):
     """2 -> 1 and 1 -> 2 processes through DeepSpeed's universal checkpoint; the global batch stays, so the loss
@@ -176,6 +177,7 @@ def test_deepspeed_resumes_on_another_world_size(tmp_path, cache_dir, z3_ref):
     continues(step_losses(one), step_losses(up), 17)
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 @pytest.mark.distributed
 def test_nan_in_one_ranks_shard_is_caught_live_and_never_resumed(tmp_path, cache_dir):
     """After step 16's update rank 1's own ZeRO-3 moments get a NaN: the checkpoint saved at 16 records it (no loss

@@ -69,6 +69,7 @@ def trained_llama(seq_len: int) -> LlamaForCausalLM:
     return model.eval()
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_a_model_trained_short_shows_rising_loss_past_its_context():
     """The synthetic check: the same model and data, trained at 64 or at the advertised 256 positions."""
     rows = list(copy_docs(16, 256, torch.Generator().manual_seed(99)).numpy())
@@ -142,6 +143,7 @@ def tiny_run(tmp_path_factory, cache_dir):
     return out
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     import check_run
 
@@ -167,6 +169,7 @@ def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     assert report["context"]["verdict"] == "context window earned: loss falls or holds flat to 1,024 tokens"
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run, capsys, tmp_path):
     import eval_checkpoint
 

@@ -75,7 +75,7 @@ def test_sigkill_during_async_saves_resumes_exactly(ref, tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("saved,resumed", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_resume_on_another_world_size_reshards(ref, tmp_path, saved, resumed):
     src = ref
     if saved != 2:

@@ -356,6 +356,7 @@ def _mutate(rng: random.Random, data):
     return data
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_fuzz_1000_malformed_recipes_no_tracebacks(tmp_path):
     rng = random.Random(0)
     base = yaml.safe_load(MICRO)

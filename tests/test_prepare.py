@@ -83,6 +83,7 @@ def test_validation_split_is_by_document_id():
     assert not any(held_out(i, 0.0) for i in ids[:100])
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_killed_preparation_resumes_file_by_file(setup, tmp_path):
     recipe, tok, cache = setup
     args = [

@@ -261,6 +261,7 @@ def test_default_settings_catch_a_poisoned_range_on_the_tiny_recipe(tmp_path, ca
     assert abs(final_val(bad) - final_val(clean)) <= 0.05 * final_val(clean)
 
 
+@pytest.mark.slow  # a variation; the default set keeps a representative
 def test_bench_spikes_script(capsys):
     import bench_spikes
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..runtime import rng_state, set_rng_state
+from ..runtime import innermost_optimizer, rng_state, set_rng_state
 from .commit import Group
 from .writer import BackgroundWriter
 
@@ -28,10 +28,6 @@ def _dcp():
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     return dcp, get_state_dict, set_state_dict
-
-
-def _inner(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper: DCP wants the torch optimizer
 
 
 def _warm_stager():
@@ -88,7 +84,7 @@ class DcpCheckpointer:
         self.wait()
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(), tmp / f"random_states_{self.group.rank}.pkl")
-        msd, osd = get_state_dict(model, _inner(optimizer))
+        msd, osd = get_state_dict(model, innermost_optimizer(optimizer))
         state = {"model": msd, "optim": osd}
         target = str(tmp / SUBDIR)
         if not async_:
@@ -104,10 +100,12 @@ class DcpCheckpointer:
     def load(self, model, optimizer, path: Path) -> None:
         """Load into the live (sharded) model and optimizer, whatever number of processes saved it."""
         dcp, get_state_dict, set_state_dict = _dcp()
-        msd, osd = get_state_dict(model, _inner(optimizer))
+        msd, osd = get_state_dict(model, innermost_optimizer(optimizer))
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(Path(path) / SUBDIR), process_group=self.group.pg)
-        set_state_dict(model, _inner(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model, innermost_optimizer(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         rng = Path(path) / f"random_states_{self.group.rank}.pkl"
         if rng.exists():  # absent when more ranks resume than saved: they keep their seeded state
             set_rng_state(torch.load(rng, weights_only=True))

@@ -107,20 +107,13 @@ def check(directory: Path, files: dict[str, dict], rels: list[str], deep: bool) 
     return problems
 
 
-def _innermost(optimizer):
-    """The torch optimizer under Accelerate's and DeepSpeed's wrappers: its state and param groups hold what the
-    rank owns (DeepSpeed: the fp32 master partitions and their moments)."""
-    optimizer = innermost_optimizer(optimizer)
-    return optimizer
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
 
 
 def state_tensors(model, optimizer) -> list[torch.Tensor]:
     """This rank's floating-point parameters, master weights and optimizer moments."""
-    inner = _innermost(optimizer)
+    inner = innermost_optimizer(optimizer)  # its state and groups hold what the rank owns (DeepSpeed: fp32 partitions)
     ts = [p for p in model.parameters()]
     ts += [p for g in inner.param_groups for p in g["params"]]
     ts += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

@@ -114,6 +114,17 @@ def long_rows(splits: dict[str, object], window: int, max_docs: int) -> list[np.
     return round_robin(per_source, max_docs)
 
 
+def padded_share(n: int, rank: int, world: int) -> list[tuple[int, bool]]:
+    """This rank's share of `n` items as (index, real) pairs, the same count on every rank: ZeRO-3 gathers parameters
+    inside forward, so an uneven number of forwards would hang; a rank short of an item repeats item 0, unreal
+    (weight 0)."""
+    out = []
+    for j in range(math.ceil(n / world)):
+        k = j * world + rank
+        out.append((k if k < n else 0, k < n))
+    return out
+
+
 @torch.no_grad()
 def position_table(
     model, rows: list[np.ndarray], buckets: list[tuple[int, int]], device, rank: int = 0, world: int = 1, reduce=None
@@ -122,10 +133,9 @@ def position_table(
     parameters inside forward; an uneven count would hang): a rank without a row of its own repeats row 0 with
     weight 0. `reduce`: sums a tensor over ranks (Accelerate's `reduce`), None in one process."""
     sums = torch.zeros(len(buckets), 3, device=device)
-    for j in range(math.ceil(len(rows) / world)):
-        k = j * world + rank
-        ids = torch.from_numpy(np.asarray(rows[k if k < len(rows) else 0], dtype=np.int64))[None].to(device)
-        sums += bucket_sums(token_losses(model, ids), buckets) * (k < len(rows))
+    for k, real in padded_share(len(rows), rank, world):
+        ids = torch.from_numpy(np.asarray(rows[k], dtype=np.int64))[None].to(device)
+        sums += bucket_sums(token_losses(model, ids), buckets) * real
     if reduce is not None:
         sums = reduce(sums)
     return bucket_table(sums.cpu(), buckets)

@@ -3,7 +3,6 @@ blaming a recurring spike on its data)."""
 
 from __future__ import annotations
 
-import math
 import time
 from functools import partial
 
@@ -14,7 +13,7 @@ from ..data.pipeline import SourceData, StageBatches, used_sources, validation_b
 from ..model.masking import Inputs, plain_inputs
 from ..recipe.eval_sections import ContextEvalSection
 from ..recipe.schema import Recipe
-from .context import bucket_name, context_verdict, long_rows, position_buckets, position_table
+from .context import bucket_name, context_verdict, long_rows, padded_share, position_buckets, position_table
 
 
 class Evaluator:
@@ -90,12 +89,9 @@ class Evaluator:
         out = {}
         for name in self.names:
             batches = val[name]
-            per_rank = math.ceil(len(batches) / acc.num_processes)
             total = torch.zeros(2, device=acc.device)
-            for j in range(per_rank):
-                k = j * acc.num_processes + acc.process_index
-                real = k < len(batches)
-                mb = batches[k if real else 0].to(acc.device)
+            for k, real in padded_share(len(batches), acc.process_index, acc.num_processes):
+                mb = batches[k].to(acc.device)
                 loss = model(**self.inputs(mb), use_cache=False).loss.float()
                 total += torch.stack([loss * mb.numel() * real, torch.tensor(mb.numel() * real, device=acc.device)])
             total = acc.reduce(total, reduction="sum")

@@ -8,17 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import list_checkpoints
-from ..recipe.lint import lint
 from ..recipe.loading import dump_recipe
-from ..train.accelerator import fp8_capable
 from . import events as ev
 
 
-def announce(recipe, output_dir: Path, available: dict[str, int]) -> None:
-    """Write the resolved recipe into the run directory and warn about the linter's findings (`available`: training
-    tokens per source, for the repetition check)."""
+def announce(recipe, output_dir: Path, findings: list) -> None:
+    """Write the resolved recipe into the run directory and warn about the linter's findings."""
     dump_recipe(recipe, Path(output_dir) / "recipe.resolved.yaml")
-    for f in lint(recipe, available, fp8_capable()):
+    for f in findings:
         print(f"warning: {f}", file=sys.stderr)
 
 

@@ -30,7 +30,7 @@ from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schedules import LRController, lr_lambda
 from ..recipe.schema import Recipe
-from .accelerator import configure_deepspeed, make_accelerator, param_groups
+from .accelerator import configure_deepspeed, fp8_capable, make_accelerator, param_groups
 from .decisions import OK, Abort, Decision, Ok
 from .gns import GradientNoise
 from .inject import PoisonedBatches, StepFaults, wants_step_faults
@@ -73,13 +73,14 @@ class Trainer:
         with acc.main_process_first():
             self.tokenizer = get_tokenizer(recipe)
             self.sources = load_sources(recipe, self.tokenizer)
-        self.available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
+        available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
+        self.findings = lint(recipe, available, fp8_capable())  # once: printed at start, logged on a fresh run
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
         acc.wait_for_everyone()
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
         if acc.is_main_process:
-            announce(recipe, self.output_dir, self.available)
+            announce(recipe, self.output_dir, self.findings)
         self._build_parts()
 
     def _build_model(self) -> None:
@@ -233,8 +234,8 @@ class Trainer:
             self.log.event(
                 ev.RUN_START, 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes
             )
-            if findings := lint(recipe, self.available):
-                self.log.event(ev.LINT, 0, findings=[f.to_dict() for f in findings])
+            if self.findings:
+                self.log.event(ev.LINT, 0, findings=[f.to_dict() for f in self.findings])
         self.bar = tqdm(
             total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process, desc="train"
         )
