@@ -3,6 +3,7 @@ latest verified checkpoint, gradient noise scale, and a picture.
 
     python scripts/check_run.py runs/tiny --plot report.png
     python scripts/check_run.py runs/tiny --json
+    python scripts/check_run.py runs/tiny --target 5.3      # will the final val/ref reach 5.3?
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="deep",
         help="latest checkpoint: deep (default) also reads every tensor back for NaN/Inf; fast: hashes",
     )
+    p.add_argument("--target", type=float, help="will the final val/ref reach this? (the forecast's answer)")
     p.add_argument("--stall-minutes", type=float, default=30.0, help="no metrics for this long means stalled")
     return p.parse_args(argv)
 
@@ -36,15 +38,19 @@ def main(argv=None) -> int:
 
         from pretrainer.errors import PretrainerError
         from pretrainer.observe.health import format_report, report
+        from pretrainer.observe.outlook import forecast_report
 
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
         r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep")
+        if (fc := forecast_report(args.output_dir, args.target)) is not None:
+            r["forecast"] = fc
         if args.plot:
             from pretrainer.observe.plots import plot_run
 
             r["plot"] = str(plot_run(args.output_dir, args.plot))
-        print(json.dumps(r) if args.json else format_report(r))
+        text = format_report(r) + "".join(f"\nforecast: {line}" for line in r.get("forecast", {}).get("lines", []))
+        print(json.dumps(r) if args.json else text)
         return 0
 
     return run_main(run, debug=args.debug)

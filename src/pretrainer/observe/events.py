@@ -82,6 +82,7 @@ REMOTE_FETCH = _kind("remote_fetch", ("path", "to"), "a remote checkpoint fetche
 # ------------------------------------------------------------------ observation
 HEALTH = _kind("health", ("verdict", "reasons"), "the trend verdict at an eval")
 CONTEXT = _kind("context", (), "the loss-by-position table and its verdict", open_fields=True)
+FORECAST = _kind("forecast", ("params", "sigma", "points", "mode", "fit_step"), "the loss-curve law fitted at an eval")
 TRACKER_BACKFILL = _kind("tracker_backfill", ("rows",), "metrics rows a resumed W&B run was missing")
 
 INCIDENTS = tuple(k for k in KINDS.values() if k.incident)
@@ -110,6 +111,10 @@ VAL_PREFIX = "val/"
 VAL_POS_PREFIX = "val_pos/"
 EVAL_PREFIX = "eval/"
 INCIDENT = "incident"
+FORECAST_FINAL = "forecast/final"
+"""The final `val/ref` the law forecasts for the run's own schedule; `_lo` and `_hi`: its 90% band."""
+FORECAST_LO = "forecast/final_lo"
+FORECAST_HI = "forecast/final_hi"
 
 
 def val_key(rows_or_row) -> str:

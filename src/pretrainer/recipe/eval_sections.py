@@ -44,6 +44,17 @@ class LmEvalSection(Section):
     """Score the untrained model too: the baseline every later score is read against."""
 
 
+class ForecastSection(Section):
+    """The loss curve forecast from the LR schedule (observe/forecast.py), fitted on `val/ref` at every eval."""
+
+    enabled: bool = True
+    """Fit at each eval once there are 4 `val/ref` points; log `forecast/final` (+ `_lo`, `_hi`) and an event."""
+    calibrate: list[str] = Field(default_factory=list)
+    """Run directories or `step,lr,loss` CSV files whose decays calibrate the decay gain (a branch decay, an
+    earlier run of the same recipe family). Without any, a WSD run's forecast is stable-phase only until its own
+    decay starts."""
+
+
 class EvalSection(Section):
     """Held-out evaluation: per-source loss, `val/ref`, loss by position, downstream tasks."""
 
@@ -58,3 +69,5 @@ class EvalSection(Section):
     weighted equally, so curves compare across stages and recipes. Default: the first stage's seq_len."""
     context: ContextEvalSection = Field(default_factory=ContextEvalSection)
     lm_eval: LmEvalSection | None = None
+    """Downstream tasks through lm-evaluation-harness (off unless given)."""
+    forecast: ForecastSection = Field(default_factory=ForecastSection)

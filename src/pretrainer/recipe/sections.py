@@ -346,6 +346,9 @@ class InjectSection(Section):
     nan_state_step: int | None = None
     """After this step's update, put a NaN into the last rank's optimizer state (its own shard under ZeRO/FSDP),
     where no loss shows it yet: the live check at the next save must flag that checkpoint (once per process)."""
+    lr_drift: tuple[int, float] | None = None
+    """(start step, rate): from that step on, the LR is multiplied by 1 + rate * (step - start): a slow drift that
+    neither the spike rule nor the trend verdicts see at first (a test of the forecast's off-track verdict)."""
 
 
 class DebugSection(Section):

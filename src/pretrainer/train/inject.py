@@ -44,6 +44,10 @@ class StepFaults:
             for state in optimizer.state.values():
                 if "exp_avg" in state:
                     state["exp_avg"].mul_(1e4)
+        if (drift := self.inject.lr_drift) is not None and step >= drift[0]:
+            # the scheduler has set this step's LR; scale it (the next scheduler step sets an unscaled one again)
+            for group in optimizer.param_groups:
+                group["lr"] *= 1.0 + drift[1] * (step - drift[0])
         return self._fire("nan", self.inject.nan_step, step)
 
     def after_step(self, step: int, optimizer, rank: int, world: int) -> None:
@@ -68,4 +72,5 @@ class PoisonedBatches(StageBatches):
 
 
 def wants_step_faults(inject: InjectSection) -> bool:
-    return any(x is not None for x in (inject.corrupt_optimizer_step, inject.nan_step, inject.nan_state_step))
+    fields = (inject.corrupt_optimizer_step, inject.nan_step, inject.nan_state_step, inject.lr_drift)
+    return any(x is not None for x in fields)

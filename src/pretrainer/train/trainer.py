@@ -24,6 +24,7 @@ from ..observe import events as ev
 from ..observe.console import announce, end_block, start_block
 from ..observe.health import HealthMonitor
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
+from ..observe.outlook import Forecaster
 from ..observe.tracking import RunLog, alert, quiet_known_noise
 from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
@@ -134,6 +135,9 @@ class Trainer:
             self.parts.register("spikes", self.spikes)
         self.evaluate = Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs)
         self.downstream = Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps)
+        self.forecaster = Forecaster.for_recipe(recipe)
+        if self.forecaster is not None:
+            self.parts.register("forecast", self.forecaster)
         inject = recipe.debug.inject
         self.runner = StepRunner(
             acc,
@@ -418,7 +422,14 @@ class Trainer:
     def _eval(self, context: bool) -> None:  # held-out losses (+ loss by position) and downstream scores
         st, span = self.state, self.span
         vals = {**self.evaluate(span.seq_len, span.micro_batch_size, context), **self.downstream(st.step)}
+        forecast = None
+        if self.forecaster is not None and ev.VAL_REF in vals:  # the loss curve's law, refitted on val/ref
+            self.forecaster.observe(st.step, vals[ev.VAL_REF])
+            if (forecast := self.forecaster.forecast()) is not None:
+                vals.update(forecast[0])
         self.log.metrics(st.step, {"tokens": st.tokens, "stage": span.name, **vals})
+        if forecast is not None:
+            self.log.event(ev.FORECAST, st.step, **forecast[1])
         if self.evaluate.context is not None:
             self.log.event(ev.CONTEXT, st.step, **self.evaluate.context)
         self.last.update(vals)

@@ -1,0 +1,125 @@
+"""Forecast a run's loss curve from its LR schedule (the LR-annealing law, docs/FORECAST.md): the observed val/ref
+points, the fitted curve and its band, and the final loss under other schedules of the same run.
+
+    python scripts/forecast.py runs/tiny                                  # table of schedules and their final loss
+    python scripts/forecast.py runs/tiny --fit-until 100 --plot fc.png    # fit on evals up to step 100 only
+    python scripts/forecast.py runs/tiny --calibrate runs/tiny-decay-100  # a branch decay calibrates the decay gain
+    python scripts/forecast.py runs/tiny --json --at 150,200              # {"final": {value, lo, hi}, "at": {...}}
+    python scripts/forecast.py --curve run.csv --calibrate old.csv        # step,lr,loss rows from W&B or elsewhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pretrainer.cli import run_main, script_parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = script_parser(__doc__, recipe=False)
+    p.add_argument("run_dir", nargs="?", help="a run directory (its recipe.resolved.yaml and metrics.jsonl)")
+    p.add_argument("--curve", help="a step,lr,loss CSV instead of a run directory (empty loss: planned steps)")
+    p.add_argument("--calibrate", action="append", default=[], help="run directory or CSV with a decay (repeatable)")
+    p.add_argument("--fit-until", type=int, help="fit only on evals up to this step")
+    p.add_argument("--at", help="also forecast at these steps: 28000,29000")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="observed points, the fit and its band, alternative schedules")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def run() -> int:
+        import numpy as np
+
+        from pretrainer.errors import PretrainerError
+        from pretrainer.observe import outlook as ol
+        from pretrainer.observe.forecast import fit, predict
+        from pretrainer.recipe.loading import load_recipe
+
+        if bool(args.run_dir) == bool(args.curve):
+            raise PretrainerError("give a run directory or --curve FILE.csv (one of them)")
+        if args.curve:
+            curve, recipe = ol.csv_curve(args.curve), None
+            peak = None
+        else:
+            recipe = load_recipe(f"{args.run_dir}/recipe.resolved.yaml")
+            curve, peak = ol.run_curve(args.run_dir, recipe), recipe.optimizer.lr
+        observed = (curve.steps.copy(), curve.loss.copy())
+        if args.fit_until is not None:
+            keep = curve.steps <= args.fit_until
+            curve.steps, curve.loss = curve.steps[keep], curve.loss[keep]
+        calibration = [ol.calibration_curve(c, peak) if peak else ol.csv_curve(c) for c in args.calibrate]
+        if len(curve.steps) < ol.MIN_POINTS:
+            raise PretrainerError(f"{len(curve.steps)} evals to fit on; the forecast needs {ol.MIN_POINTS}")
+        f = fit([curve, *calibration])
+        total = len(curve.lr)
+        value, lo, hi = predict(f, curve.lr, [total], curve.warmup)
+        out = {
+            "final": {"value": float(value[0]), "lo": float(lo[0]), "hi": float(hi[0]), "step": total},
+            "fit": f.as_dict(),
+        }
+        if args.at:
+            steps = [int(s) for s in args.at.split(",")]
+            v, a, b = predict(f, curve.lr, steps, curve.warmup)
+            out["at"] = {
+                str(s): {"value": float(x), "lo": float(y), "hi": float(z)} for s, x, y, z in zip(steps, v, a, b)
+            }
+        alts = ol.alternatives(recipe, int(curve.steps.max())) if recipe is not None else {}
+        out["schedules"] = {}
+        for name, lr in alts.items():
+            v, a, b = predict(f, lr, [total], curve.warmup)
+            out["schedules"][name] = {"value": float(v[0]), "lo": float(a[0]), "hi": float(b[0])}
+        if args.plot:
+            out["plot"] = str(plot(args.plot, f, curve, observed, alts, np))
+        if args.json:
+            print(json.dumps(out))
+            return 0
+        fv = out["final"]
+        print(f"fit on {f.points} evals up to step {f.fit_step}: {f.mode}, residual sd {f.sigma:.4f}")
+        print(f"final val/ref at step {total}: {fv['value']:.4f} [{fv['lo']:.4f}, {fv['hi']:.4f}] (90% band)")
+        for step, r in out.get("at", {}).items():
+            print(f"  at step {step}: {r['value']:.4f} [{r['lo']:.4f}, {r['hi']:.4f}]")
+        if out["schedules"]:
+            print("the same run under other schedules (final val/ref):")
+            for name, r in out["schedules"].items():
+                print(f"  {name:<24} {r['value']:.4f} [{r['lo']:.4f}, {r['hi']:.4f}]")
+        for note in f.notes:
+            print(f"note: {note}")
+        return 0
+
+    return run_main(run, debug=args.debug)
+
+
+def plot(path, f, curve, observed, alts, np):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pretrainer.observe.forecast import predict
+
+    steps = np.unique(np.linspace(1, len(curve.lr), 400).astype(int))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    v, lo, hi = predict(f, curve.lr, steps, curve.warmup)
+    ax.fill_between(steps, lo, hi, alpha=0.2, color="C0", label="90% band")
+    ax.plot(steps, v, color="C0", label="fit (own schedule)")
+    for i, (name, lr) in enumerate(alts.items()):
+        ax.plot(steps, predict(f, lr, steps, curve.warmup)[0], lw=0.8, ls="--", color=f"C{i + 2}", label=name)
+    ax.scatter(*observed, s=10, color="k", label="val/ref observed", zorder=3)
+    ax.axvline(f.fit_step, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("val/ref")
+    lo_y = float(np.nanmin(observed[1])) if len(observed[1]) else float(v.min())
+    ax.set_ylim(lo_y - 0.3 * abs(lo_y) * 0.1 - 0.2, float(np.nanmax(observed[1][len(observed[1]) // 4 :])) + 0.2)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""The forecast applied to runs: curves from a run directory or a CSV, alternative schedules of the same run, the
+verdicts `check_run.py` prints, and the in-loop `Forecaster` part.
+
+Stage boundaries: `val/ref` is measured at one fixed context for the whole run, so it is comparable across stages,
+but a stage that changes the mixture or RoPE can still shift its level. The law is fitted over the whole run (no
+per-stage shift: a shift in the decay stage could not be told apart from the decay gain), and the off-track rule
+only judges evals in the stage the fit ended in, so a stage change is never reported as a drift.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..recipe.loading import load_recipe
+from ..recipe.schedules import cosine, lr_lambda, wsd
+from ..recipe.schema import Recipe
+from . import events as ev
+from .forecast import Curve, Fit, fit, off_track, predict
+from .health import load_run, val_of
+
+MIN_POINTS = 4
+
+
+def schedule_of(recipe: Recipe) -> np.ndarray:
+    """The recipe's LR multiplier for each optimizer step 1..N (`[t-1]` is step t's)."""
+    fn = lr_lambda(recipe)
+    return np.array([fn(i) for i in range(recipe.plan.total_steps)])
+
+
+def run_curve(run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None) -> Curve:
+    """A run's `val/ref` evals (step 0 left out: the law starts at the first update) under its recipe's schedule."""
+    run = load_run(run_dir)
+    recipe = recipe or load_recipe(Path(run_dir) / "recipe.resolved.yaml")
+    pts = [(m["step"], val_of(m)) for m in run["evals"] if m["step"] > 0 and val_of(m) is not None]
+    if fit_until is not None:
+        pts = [p for p in pts if p[0] <= fit_until]
+    steps = np.array([s for s, _ in pts], int)
+    loss = np.array([float(v) for _, v in pts])
+    return Curve(schedule_of(recipe), steps, loss, recipe.schedule.warmup_steps)
+
+
+def csv_curve(path: str | Path, peak: float | None = None) -> Curve:
+    """A curve from `step,lr,loss` rows (from W&B or another framework): rows with an empty loss are the planned
+    schedule still to run. LRs are divided by `peak` (default: the file's largest LR); steps are 1-based."""
+    rows = list(csv.DictReader(open(path, newline="")))
+    if not rows or not {"step", "lr", "loss"} <= set(rows[0]):
+        raise ValueError(f"{path}: needs the columns step,lr,loss")
+    steps = np.array([int(float(r["step"])) for r in rows])
+    lr = np.array([float(r["lr"]) for r in rows])
+    peak = peak or float(lr.max())
+    n = int(steps.max())
+    full = np.interp(np.arange(1, n + 1), steps, lr / peak)  # any logging cadence: the LR between rows interpolated
+    seen = [(s, float(r["loss"])) for s, r in zip(steps, rows) if r["loss"].strip()]
+    rising = np.flatnonzero(np.diff(full) < 0)
+    warmup = int(np.argmax(full)) if len(rising) else 0
+    return Curve(full, np.array([s for s, _ in seen]), np.array([v for _, v in seen]), warmup)
+
+
+def calibration_curve(path: str | Path, peak: float) -> Curve:
+    """A calibration curve from a run directory (its own recipe's schedule) or a `step,lr,loss` CSV (LRs divided by
+    the run's `peak`, so both curves share one LR scale)."""
+    path = Path(path)
+    if path.suffix == ".csv":
+        return csv_curve(path, peak)
+    curve = run_curve(path)
+    own_peak = load_recipe(path / "recipe.resolved.yaml").optimizer.lr
+    curve.lr = curve.lr * own_peak / peak
+    return curve
+
+
+def alternatives(recipe: Recipe, now: int) -> dict[str, np.ndarray]:
+    """LR sequences of the same run under other schedules: WSD with 10/20/30% decay (1-sqrt), 20% with each decay
+    shape, a decay starting now to the end, and cosine; the same warmup, total steps and final LR ratio."""
+    s, total = recipe.schedule, recipe.plan.total_steps
+    w, floor = s.warmup_steps, s.min_lr_ratio
+
+    def wsd_seq(steps: int, shape: str = "1-sqrt", start: int | None = None) -> np.ndarray:
+        kw = dict(warmup_steps=w, total_steps=total, decay_steps=steps, decay_shape=shape, min_lr_ratio=floor)
+        return np.array([wsd(i, decay_start=start, **kw) for i in range(total)])
+
+    out = {f"wsd {p}% 1-sqrt": wsd_seq(max(1, round(p / 100 * total))) for p in (10, 20, 30)}
+    out.update({f"wsd 20% {shape}": wsd_seq(max(1, round(0.2 * total)), shape) for shape in ("linear", "cosine")})
+    if w <= now < total - 1:
+        out[f"decay from step {now}"] = wsd_seq(total - now, start=now)
+    out["cosine"] = np.array([cosine(i, warmup_steps=w, total_steps=total, min_lr_ratio=floor) for i in range(total)])
+    return out
+
+
+@dataclass
+class Outlook:
+    fit: Fit
+    final: tuple[float, float, float]
+    """(value, lo, hi) of the final val/ref under the run's own schedule."""
+    total: int
+    off_track: list[int]
+    """Evals above the band fitted at `fit.fit_step` (empty: on track)."""
+    fit_step_for_check: int | None
+
+
+def outlook(curve: Curve, calibration: list[Curve] = (), check_last: int = 3) -> Outlook:
+    """Fit on everything observed and forecast the final value; and, separately, fit on the evals before the last
+    `check_last` of the current stage-free stretch and ask whether those last evals lie above that fit's band."""
+    f = fit([curve, *calibration])
+    total = len(curve.lr)
+    value, lo, hi = predict(f, curve.lr, [total], curve.warmup)
+    drift, m = [], None
+    if len(curve.steps) >= MIN_POINTS + check_last:
+        m = int(curve.steps[-check_last - 1])
+        early = Curve(curve.lr, curve.steps[curve.steps <= m], curve.loss[curve.steps <= m], curve.warmup)
+        drift = off_track(fit([early, *calibration]), curve, check_last)
+    return Outlook(f, (float(value[0]), float(lo[0]), float(hi[0])), total, drift, m)
+
+
+def verdict_lines(o: Outlook, target: float | None = None) -> list[str]:
+    v, lo, hi = o.final
+    mode = "" if o.fit.calibrated else " (stable-phase only: no decay calibrated, no decay gain forecast)"
+    if o.off_track:
+        lines = [
+            f"off track: the last {len(o.off_track)} evals (steps {o.off_track[0]}-{o.off_track[-1]}) lie above the "
+            f"band fitted at step {o.fit_step_for_check}"
+        ]
+    else:
+        lines = [f"on track: final val/ref forecast {v:.4f} [{lo:.4f}, {hi:.4f}] at step {o.total}{mode}"]
+    if target is not None:
+        answer = "yes" if hi <= target else "no" if lo > target else "uncertain"
+        lines.append(f"target {target:g}: {answer} (forecast {v:.4f} [{lo:.4f}, {hi:.4f}])")
+    return lines
+
+
+class Forecaster:
+    """The in-loop part: after each eval, fit the law on the `val/ref` points so far (plus calibration curves) and
+    log `forecast/final`, `forecast/final_lo`, `forecast/final_hi` and a `forecast` event. Its state (the points)
+    is checkpointed, so a resumed run forecasts from the same history."""
+
+    def __init__(self, lr: np.ndarray, warmup: int, calibration: list[Curve] = ()):
+        self.lr, self.warmup, self.calibration = lr, warmup, list(calibration)
+        self.points: list[tuple[int, float]] = []
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe) -> Forecaster | None:
+        """The recipe's forecaster (None when `eval.forecast.enabled` is off or nothing is evaluated)."""
+        sec = recipe.eval.forecast
+        if not sec.enabled:
+            return None
+        calibration = [calibration_curve(p, recipe.optimizer.lr) for p in sec.calibrate]
+        return cls(schedule_of(recipe), recipe.schedule.warmup_steps, calibration)
+
+    def observe(self, step: int, value: float) -> None:
+        if step > 0 and np.isfinite(value):
+            self.points = [p for p in self.points if p[0] < step] + [(step, float(value))]
+
+    def forecast(self) -> tuple[dict[str, float], dict] | None:
+        """(metrics, event details), or None while there are fewer than `MIN_POINTS` points."""
+        if len(self.points) < MIN_POINTS:
+            return None
+        steps, loss = zip(*self.points)
+        curve = Curve(self.lr, np.array(steps), np.array(loss), self.warmup)
+        f = fit([curve, *self.calibration])
+        value, lo, hi = predict(f, self.lr, [len(self.lr)], self.warmup)
+        metrics = {ev.FORECAST_FINAL: float(value[0]), ev.FORECAST_LO: float(lo[0]), ev.FORECAST_HI: float(hi[0])}
+        return metrics, f.as_dict()
+
+    def state_dict(self) -> dict:
+        return {"points": [list(p) for p in self.points]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.points = [(int(s), float(v)) for s, v in state["points"]]
+
+
+def forecast_report(run_dir: str | Path, target: float | None = None) -> dict | None:
+    """The forecast part of `check_run.py`: verdict lines, the final forecast and the off-track evals (None when the
+    run has fewer than `MIN_POINTS` val/ref evals or no resolved recipe)."""
+    if not (Path(run_dir) / "recipe.resolved.yaml").exists():
+        return None
+    curve = run_curve(run_dir)
+    if len(curve.steps) < MIN_POINTS:
+        return None
+    o = outlook(curve)
+    v, lo, hi = o.final
+    return {
+        "lines": verdict_lines(o, target),
+        "final": {"value": v, "lo": lo, "hi": hi, "step": o.total},
+        "off_track": o.off_track,
+        "fit": o.fit.as_dict(),
+    }

@@ -1,0 +1,115 @@
+"""The loss-curve forecast: the fitter on curves drawn from the law, what the data identify, the off-track rule, CSV
+curves, the script, and one real run's in-loop metrics and event."""
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from pretrainer.observe.forecast import Curve, Fit, curve_of, fit, off_track, predict
+from pretrainer.observe.outlook import csv_curve, forecast_report
+from pretrainer.observe.tracking import read_jsonl
+from pretrainer.recipe.schedules import wsd
+
+N, W = 2000, 50
+TRUE = Fit(np.array([2.0, 3.0, 0.4, 4e-4, 0.99]), np.zeros((4, 4)), 0.0, 0, True, 0)
+
+
+def schedule(kind: str) -> np.ndarray:
+    if kind == "const":
+        return np.array([s / W if s < W else 1.0 for s in range(N)])
+    if kind == "cosine":
+        return np.array([s / W if s < W else 0.5 * (1 + math.cos(math.pi * (s - W) / (N - W))) for s in range(N)])
+    kw = dict(warmup_steps=W, total_steps=N, decay_steps=N // 5, decay_shape="1-sqrt", min_lr_ratio=0.0)
+    return np.array([wsd(s, **kw) for s in range(N)])
+
+
+def drawn(kind: str, seed: int = 0, every: int = 20, noise: float = 0.01) -> Curve:
+    lr, steps = schedule(kind), np.arange(every, N + 1, every)
+    y = curve_of(TRUE, lr, steps, W) + noise * np.random.default_rng(seed).standard_normal(len(steps))
+    return Curve(lr, steps, y, W)
+
+
+def test_fitter_recovers_the_law_from_noisy_curves():
+    f = fit([drawn("const"), drawn("cosine", seed=1)])
+    l0, a, alpha, c, _ = f.params
+    assert f.calibrated and abs(l0 - 2.0) < 0.05 and abs(a - 3.0) < 0.3 and abs(alpha - 0.4) < 0.05
+    assert f.sigma == pytest.approx(0.01, rel=0.3)  # the residual is the noise that was added
+    # the fitted law predicts a schedule it never saw: the WSD curve
+    w = drawn("wsd", noise=0.0)
+    v, lo, hi = predict(f, w.lr, w.steps, W)
+    assert np.mean(np.abs(v - w.loss)) < 0.005 and lo[-1] <= w.loss[-1] <= hi[-1]
+
+
+def test_a_constant_lr_alone_is_stable_phase_only():
+    f = fit([drawn("const")])
+    assert not f.calibrated and f.mode == "stable-phase only" and f.params[3] == 0.0
+    assert any("not calibrated" in n for n in f.notes)
+    # its forecast for a decaying schedule has no decay gain: the stable power law, above what the decay gives
+    w = drawn("wsd", noise=0.0)
+    assert predict(f, w.lr, [N], W)[0][0] > w.loss[-1]
+
+
+def test_off_track_sees_a_drift_and_not_noise():
+    healthy = drawn("const", seed=3)
+    f = fit([Curve(healthy.lr, healthy.steps[:60], healthy.loss[:60], W)])
+    assert off_track(f, Curve(healthy.lr, healthy.steps[:63], healthy.loss[:63], W)) == []
+    drifting = Curve(healthy.lr, healthy.steps[:63], healthy.loss[:63].copy(), W)
+    drifting.loss[60:] += np.array([0.05, 0.08, 0.11])  # a slow rise the law does not foresee
+    assert off_track(f, drifting) == [int(s) for s in healthy.steps[60:63]]
+
+
+def test_fit_time_grows_slowly_with_points():
+    w = schedule("wsd")
+    times = {}
+    for m in (10, 100, 1000):
+        steps = np.linspace(1, N, m).astype(int)
+        curve = Curve(w, steps, curve_of(TRUE, w, steps, W) + 0.01 * np.random.default_rng(m).standard_normal(m), W)
+        t0 = time.perf_counter()
+        fit([curve])
+        times[m] = time.perf_counter() - t0
+    assert times[1000] < 2.0, times  # well under a second on this machine; room for a loaded CI core
+
+
+def test_csv_curve_and_the_script(tmp_path, capsys):
+    import forecast
+
+    lr = schedule("cosine") * 3e-4
+    steps = np.arange(1, N + 1)
+    loss = curve_of(TRUE, lr / 3e-4, steps, W)
+    path = tmp_path / "run.csv"
+    rows = ["step,lr,loss"] + [
+        f"{s},{v},{(loss[s - 1] if s <= 1200 and s % 20 == 0 else '')}" for s, v in zip(steps, lr)
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    c = csv_curve(path)
+    assert len(c.lr) == N and c.steps.max() == 1200 and np.allclose(c.lr.max(), 1.0)
+    assert forecast.main(["--curve", str(path), "--json", "--at", "1500,2000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["final"]) >= {"value", "lo", "hi"} and set(out["at"]) == {"1500", "2000"}
+    assert out["final"]["lo"] <= loss[-1] <= out["final"]["hi"]
+    assert abs(out["final"]["value"] - loss[-1]) < 0.01
+
+
+def test_a_real_run_forecasts_in_the_loop_and_in_check_run(tmp_path, cache_dir, capsys):
+    import check_run
+    import run_recipe
+
+    out = tmp_path / "run"
+    sets = ["eval.every_steps=5", f"data.cache_dir={cache_dir}"]
+    argv = ["tests/fixtures/micro.yaml", "--output-dir", str(out)] + [x for s in sets for x in ("--set", s)]
+    assert run_recipe.main(argv) == 0
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "forecast/final" in m]
+    assert rows and rows[0]["step"] == 20  # evals at 5, 10, 15, 20: the fourth point starts the forecast
+    assert all(r["forecast/final_lo"] <= r["forecast/final"] <= r["forecast/final_hi"] for r in rows)
+    events = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "forecast"]
+    # the decay is the last 3 steps: one eval (step 30) inside it is not yet a calibration
+    assert len(events) == len(rows) and events[-1]["mode"] == "stable-phase only"
+    fc = forecast_report(out)
+    assert fc["lines"][0].startswith(("on track", "off track")) and fc["final"]["step"] == 30
+    capsys.readouterr()
+    assert check_run.main([str(out), "--target", "1.0", "--verify", "fast"]) == 0
+    text = capsys.readouterr().out
+    assert "forecast: " in text and "target 1: no" in text
