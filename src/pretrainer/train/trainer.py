@@ -8,8 +8,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-import torch
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointManager, Restored
@@ -18,7 +17,7 @@ from ..data.pipeline import StageBatches, get_tokenizer, load_sources
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
-from ..model.build import StageRope, build_config, build_model, count_params, flops_per_token, non_embedding_params
+from ..model.build import flops_per_token
 from ..model.masking import model_inputs
 from ..observe import events as ev
 from ..observe.console import announce, end_block, start_block
@@ -29,9 +28,9 @@ from ..observe.tracking import RunLog, alert, quiet_known_noise
 from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
-from ..recipe.schedules import LRController, lr_lambda
 from ..recipe.schema import Recipe
-from .accelerator import configure_deepspeed, fp8_capable, make_accelerator, param_groups
+from .accelerator import fp8_capable, make_accelerator
+from .build import build
 from .decisions import OK, Abort, Decision, Ok
 from .gns import GradientNoise
 from .inject import PoisonedBatches, StepFaults, wants_step_faults
@@ -85,25 +84,10 @@ class Trainer:
         self._build_parts()
 
     def _build_model(self) -> None:
-        recipe, acc, tok = self.recipe, self.accelerator, self.tokenizer
-        set_seed(recipe.run.seed)  # the same initial weights on every rank and every run
-        self.config = build_config(
-            recipe.model, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-        )
-        model = build_model(recipe.model, self.config)
-        self.n_params, self.n_non_emb = count_params(model), non_embedding_params(model)
-        self.peak = peak_tflops(recipe.logging.peak_tflops)
-        opt = recipe.optimizer
-        # Fused AdamW (one kernel for all parameters) exists for CUDA and CPU; it is what the HF Trainer uses too.
-        self.fused = opt.fused if opt.fused is not None else True
-        optimizer = torch.optim.AdamW(
-            param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=self.fused or None
-        )
-        configure_deepspeed(acc, self.plan, self.grad_accum)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
-        # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
-        self.scheduler = LRController(self.optimizer, lr_lambda(recipe), opt.lr)
-        self.rope = StageRope(acc.unwrap_model(self.model), recipe.stages)
+        self.built = b = build(self.recipe, self.accelerator, self.tokenizer, self.plan, self.grad_accum)
+        self.model, self.optimizer, self.scheduler, self.config = b.model, b.optimizer, b.scheduler, b.config
+        self.rope, self.n_params, self.n_non_emb, self.fused = b.rope, b.n_params, b.n_non_emb, b.fused
+        self.peak = peak_tflops(self.recipe.logging.peak_tflops)
 
     def _build_parts(self) -> None:
         recipe, acc = self.recipe, self.accelerator
