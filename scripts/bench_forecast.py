@@ -129,9 +129,13 @@ def main(argv=None) -> int:
         fh = fit([half])
         v3, lo3, hi3 = predict(fh, c.lr, [len(c.lr)], c.warmup)
         res["cosine_first_half"].append(
-            {"pred": float(v3[0]), "band": [float(lo3[0]), float(hi3[0])], "true": float(c.loss[-1]),
-             "inside": bool(lo3[0] <= c.loss[-1] <= hi3[0])}
-        )  # fmt: skip
+            {
+                "pred": float(v3[0]),
+                "band": [float(lo3[0]), float(hi3[0])],
+                "true": float(c.loss[-1]),
+                "inside": bool(lo3[0] <= c.loss[-1] <= hi3[0]),
+            }
+        )
     # 4. drift vs healthy
     drift = train(a.out / "drift", n, a.every, SCHEDULES["const"] + [f"debug.inject.lr_drift=[{n // 3},0.02]"])
     res["drift"] = {"first_off_track": first_off_track(drift), "first_unhealthy": first_unhealthy(drift)}

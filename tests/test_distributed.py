@@ -277,6 +277,21 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
     proc = run(ref)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert read_jsonl(ref / "events.jsonl")[0]["world"] == 2
+    # real data parallelism: gradients averaged over the ranks, so the run equals one process on the whole batch
+    # (Accelerate treats CPU ranks as unrelated processes unless told they are CPUs: each then trained alone)
+    one = tmp_path / "one"
+    cmd = [
+        sys.executable,
+        "scripts/run_recipe.py",
+        "tests/fixtures/micro.yaml",
+        "--output-dir",
+        str(one),
+        "--set",
+        f"data.cache_dir={cache_dir}",
+        *CKPT,
+    ]
+    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    assert max(abs(v - step_losses(one)[k]) for k, v in step_losses(ref).items()) < 1e-4
     resumed_from(ref, out, 16)
     proc = run(out, "--resume", "auto")
     assert proc.returncode == 0, proc.stderr[-4000:]

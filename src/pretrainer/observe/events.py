@@ -44,6 +44,9 @@ STAGE_START = _kind(
     "a stage began (its RoPE applied)",
     incident=True,
 )
+OPTIMIZER = _kind(
+    "optimizer", ("type", "muon", "adamw", "adamw_names"), "which parameters each optimizer steps (at the start)"
+)
 LINT = _kind("lint", ("findings",), "the recipe linter's findings at the start")
 INJECT = _kind("inject", ("what",), "a debug.inject fault fired")
 

@@ -149,21 +149,40 @@ class BatchSection(Section):
     global batch is far above it."""
 
 
-class OptimizerSection(Section):
-    """AdamW settings; the LR is the peak of the schedule."""
+class MuonSection(Section):
+    """Muon's settings (torch.optim.Muon) for the hidden matrices when `optimizer.type: muon`."""
 
-    type: Literal["adamw"] = "adamw"
-    """The optimizer (AdamW; decoupled weight decay)."""
+    momentum: float = Field(default=0.95, ge=0, lt=1)
+    """Momentum of the orthogonalised update."""
+    nesterov: bool = True
+    """Nesterov momentum (as Muon's authors run it)."""
+    ns_steps: int = Field(default=5, ge=1)
+    """Newton-Schulz iterations that orthogonalise the update."""
+    adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """`match_rms_adamw`: each matrix's LR x 0.2 sqrt(max(A, B)), so its update RMS matches AdamW's and
+    `optimizer.lr` (an AdamW LR) and its schedule serve both groups. `original`: sqrt(max(1, A/B)) (Keller Jordan's),
+    which needs a Muon-sized LR (~0.02), not an AdamW one (lint PT018)."""
+    weight_decay: float = Field(default=0.1, ge=0)
+    """Decoupled weight decay of the Muon matrices."""
+
+
+class OptimizerSection(Section):
+    """The optimizer; the LR is the peak of the schedule."""
+
+    type: Literal["adamw", "muon"] = "adamw"
+    """`adamw`, or `muon`: Muon for the hidden 2-D matrices, AdamW for embeddings, head, norms and biases (one
+    schedule over both; the split is printed and logged at the start)."""
     lr: float = Field(gt=0)
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """Adam's (beta1, beta2)."""
+    """AdamW's (beta1, beta2)."""
     eps: float = Field(default=1e-8, gt=0)
-    """Adam's epsilon."""
+    """AdamW's epsilon."""
     weight_decay: float = Field(default=0.1, ge=0)
-    """Applied to matrices only; norms, biases and embeddings-free 1-D params get none."""
+    """AdamW's, applied to matrices only; norms, biases and embeddings-free 1-D params get none."""
     fused: bool | None = None
     """Fused AdamW kernel (CUDA and CPU). Default: on."""
+    muon: MuonSection = Field(default_factory=MuonSection)
 
 
 class ScheduleSection(Section):

@@ -40,11 +40,16 @@ def fp8_kwargs() -> list:
 
 def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator:
     kwargs = fp8_kwargs() if recipe.precision.mixed == "fp8" else []
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    cpu_processes = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if cpu_processes:
         # Without this every CPU rank would believe it is rank 0 of 1 (the default backend is nccl).
         kwargs.append(InitProcessGroupKwargs(backend="gloo"))
+    engine = any(os.environ.get(f"ACCELERATE_USE_{k}", "false").lower() == "true" for k in ("DEEPSPEED", "FSDP"))
     try:
         acc = Accelerator(
+            # Plain data parallel on CPU processes: Accelerate makes it MULTI_CPU (gradients all-reduced by DDP) only
+            # when told the processes are CPUs; otherwise it says NO and every rank trains alone on its shard.
+            cpu=cpu_processes and not engine,
             mixed_precision=recipe.precision.mixed,
             gradient_accumulation_steps=grad_accum,
             log_with=tracker_setup(recipe.logging.report_to, output_dir) or None,
@@ -65,6 +70,11 @@ def make_accelerator(recipe: Recipe, output_dir, grad_accum: int) -> Accelerator
             "On CPU processes use a DeepSpeed config (accelerate_configs/zero3.yaml); FSDP needs GPUs"
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and acc.distributed_type == DistributedType.NO:
+        raise PretrainerError(
+            f"{world} processes but Accelerate set up no data parallelism: the ranks would train apart; launch with "
+            "an accelerate config (accelerate_configs/) or torchrun"
+        )
     if acc.num_processes != world:  # a CPU launch without a process group: every rank would think it is alone
         raise PretrainerError(f"expected {world} processes from WORLD_SIZE, Accelerate sees {acc.num_processes}")
     return acc

@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
+from ..errors import PretrainerError
 from ..model.build import StageRope, build_config, build_model, count_params, non_embedding_params
 from ..recipe.plan import RunPlan
 from ..recipe.schedules import LRController, lr_lambda
 from ..recipe.schema import Recipe
-from .accelerator import configure_deepspeed, param_groups
+from .accelerator import configure_deepspeed
+from .optim import Assignment, build_optimizer
 
 
 @dataclass
@@ -27,6 +29,8 @@ class Built:
     n_params: int
     n_non_emb: int
     fused: bool
+    assignment: Assignment
+    """Which parameters each optimizer steps (all on AdamW unless `optimizer.type: muon`)."""
 
 
 def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int) -> Built:
@@ -38,14 +42,17 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     model = build_model(recipe.model, config)
     n_params, n_non_emb = count_params(model), non_embedding_params(model)
     opt = recipe.optimizer
-    # Fused AdamW (one kernel for all parameters) exists for CUDA and CPU; it is what the HF Trainer uses too.
-    fused = opt.fused if opt.fused is not None else True
-    optimizer = torch.optim.AdamW(
-        param_groups(model, opt.weight_decay), lr=opt.lr, betas=opt.betas, eps=opt.eps, fused=fused or None
-    )
+    if opt.type == "muon" and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+        raise PretrainerError(
+            f"optimizer.type: muon is refused under {accelerator.distributed_type.value}: it shards parameters into "
+            "flat partitions (DeepSpeed) or row shards (FSDP), so a Muon step on them would not orthogonalise whole "
+            "matrices (the failure of DeepSpeed's Muon at ZeRO stage 0, issue 8441); launch with DDP "
+            "(accelerate_configs/ddp.yaml) or one process"
+        )
+    optimizer, fused, assignment = build_optimizer(model, opt)
     configure_deepspeed(accelerator, plan, grad_accum)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
     scheduler = LRController(optimizer, lr_lambda(recipe), opt.lr)
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
-    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused)
+    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment)

@@ -16,6 +16,7 @@ from ..model.masking import Inputs, plain_inputs
 from ..observe import events as ev
 from .gns import GradientNoise
 from .inject import StepFaults
+from .probe import OptimizerProbe
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,19 @@ class StepRunner:
         inputs: Inputs = plain_inputs,
         gns: GradientNoise | None = None,
         faults: StepFaults | None = None,
+        probe: OptimizerProbe | None = None,
     ):
         """Args:
         guard: read loss and grad norm on the host before the update, so a non-finite step never reaches the
             optimizer (and the spike detector gets its values).
         inputs: token rows -> model inputs (document masking, when the recipe asks for it).
         gns: the noise scale, which captures one micro batch's gradient on the steps it measures.
-        faults: the recipe's injected faults (None unless `debug.inject` asks for one)."""
+        faults: the recipe's injected faults (None unless `debug.inject` asks for one).
+        probe: measures the applied update on logging steps (Muon's proof that it orthogonalises)."""
         self.acc, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_norm = math.inf if max_grad_norm is None else max_grad_norm  # inf: measure the norm, clip nothing
         self.log, self.guard, self.inputs, self.gns, self.faults = log, guard, inputs, gns, faults
+        self.probe = probe
 
     def observe(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[float, float | None]:
         """The step's mean loss over ranks and its gradient norm on the host: one transfer for both."""
@@ -103,7 +107,12 @@ class StepRunner:
         observed = self.observe(loss, grad_norm) if self.guard else None
         applied = observed is None or all(math.isfinite(v) for v in observed if v is not None)
         if applied:
+            probe = self.probe if self.probe is not None and self.probe.due(step) else None
+            if probe is not None:
+                probe.before()
             self.optimizer.step()
+            if probe is not None:
+                probe.after(step)
         else:
             self.log.event(ev.SKIPPED_UPDATE, step, loss=observed[0], grad_norm=observed[1])
         self.scheduler.step()

@@ -35,6 +35,7 @@ from .decisions import OK, Abort, Decision, Ok
 from .gns import GradientNoise
 from .inject import PoisonedBatches, StepFaults, wants_step_faults
 from .preemption import Preempted, PreemptFlag
+from .probe import OptimizerProbe
 from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
 from .resume import check_compatible, choose_checkpoint
 from .rundir import RunDir
@@ -134,6 +135,9 @@ class Trainer:
             inputs=self.inputs,
             gns=self.gns,
             faults=StepFaults(inject, self.log) if wants_step_faults(inject) else None,
+            probe=OptimizerProbe(self.optimizer, recipe.logging.every_steps, True)
+            if self.built.assignment.muon
+            else None,
         )
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
@@ -221,6 +225,12 @@ class Trainer:
         if restored is None:
             self.log.event(
                 ev.RUN_START, 0, params=self.n_params, total_steps=self.total_steps, world=acc.num_processes
+            )
+            self.log.event(
+                ev.OPTIMIZER,
+                0,
+                type=recipe.optimizer.type,
+                **self.built.assignment.summary(acc.unwrap_model(self.model)),
             )
             if self.findings:
                 self.log.event(ev.LINT, 0, findings=[f.to_dict() for f in self.findings])
@@ -400,6 +410,8 @@ class Trainer:
             small = span.micro_batch_size * span.seq_len
             if (value := self.gns.estimate(self.accelerator, small, span.tokens_per_step, grad_norm)) is not None:
                 record["gns/b_simple"] = value
+        if self.runner.probe is not None:
+            record.update(self.runner.probe.take())
         self.log.metrics(st.step, record)
         return record
 
