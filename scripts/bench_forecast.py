@@ -64,7 +64,7 @@ def train(out: Path, steps: int, every: int, extra: list[str], seed: int = 1234,
 
 def first_off_track(run_dir: Path) -> int | None:
     curve = run_curve(run_dir)
-    for k in range(MIN_POINTS + 3, len(curve.steps) + 1):
+    for k in range(MIN_POINTS + 4, len(curve.steps) + 1):
         part = Curve(curve.lr, curve.steps[:k], curve.loss[:k], curve.warmup)
         if outlook(part).off_track:
             return int(curve.steps[k - 1])
@@ -98,8 +98,10 @@ def main(argv=None) -> int:
     f = fit([run_curve(const), run_curve(cos[0])])
     w = run_curve(wsd)
     v, lo, hi = predict(f, w.lr, w.steps, w.warmup)
+    used = w.steps >= w.fit_from  # the early transient is outside the law (and outside every fit)
     res["wsd_from_const_cosine"] = {
-        "mae": float(np.mean(np.abs(v - w.loss))),
+        "mae": float(np.mean(np.abs(v - w.loss)[used])),
+        "mae_from_step": w.fit_from,
         "final_pred": float(v[-1]),
         "final_band": [float(lo[-1]), float(hi[-1])],
         "final_true": float(w.loss[-1]),
@@ -140,6 +142,7 @@ def main(argv=None) -> int:
     drift = train(a.out / "drift", n, a.every, SCHEDULES["const"] + [f"debug.inject.lr_drift=[{n // 3},0.02]"])
     res["drift"] = {"first_off_track": first_off_track(drift), "first_unhealthy": first_unhealthy(drift)}
     res["healthy_off_track"] = {r.name: first_off_track(r) for r in [const, wsd, *cos]}
+    res["healthy_first_unhealthy"] = {r.name: first_unhealthy(r) for r in [const, wsd, *cos]}
     # 5. fit time
     rng = np.random.default_rng(0)
     res["fit_seconds"] = {}

@@ -52,8 +52,10 @@ def main(argv=None) -> int:
             keep = curve.steps <= args.fit_until
             curve.steps, curve.loss = curve.steps[keep], curve.loss[keep]
         calibration = [ol.calibration_curve(c, peak) if peak else ol.csv_curve(c) for c in args.calibrate]
-        if len(curve.steps) < ol.MIN_POINTS:
-            raise PretrainerError(f"{len(curve.steps)} evals to fit on; the forecast needs {ol.MIN_POINTS}")
+        if ol.usable(curve) < ol.MIN_POINTS:
+            raise PretrainerError(
+                f"{ol.usable(curve)} evals from step {curve.fit_from} on to fit; the forecast needs {ol.MIN_POINTS}"
+            )
         f = fit([curve, *calibration])
         total = len(curve.lr)
         value, lo, hi = predict(f, curve.lr, [total], curve.warmup)

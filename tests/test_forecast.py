@@ -29,7 +29,7 @@ def schedule(kind: str) -> np.ndarray:
 def drawn(kind: str, seed: int = 0, every: int = 20, noise: float = 0.01) -> Curve:
     lr, steps = schedule(kind), np.arange(every, N + 1, every)
     y = curve_of(TRUE, lr, steps, W) + noise * np.random.default_rng(seed).standard_normal(len(steps))
-    return Curve(lr, steps, y, W)
+    return Curve(lr, steps, y, W, first=1)  # drawn from the law from the start: no early transient to leave out
 
 
 def test_fitter_recovers_the_law_from_noisy_curves():
@@ -55,10 +55,10 @@ def test_a_constant_lr_alone_is_stable_phase_only():
 def test_off_track_sees_a_drift_and_not_noise():
     healthy = drawn("const", seed=3)
     f = fit([Curve(healthy.lr, healthy.steps[:60], healthy.loss[:60], W)])
-    assert off_track(f, Curve(healthy.lr, healthy.steps[:63], healthy.loss[:63], W)) == []
-    drifting = Curve(healthy.lr, healthy.steps[:63], healthy.loss[:63].copy(), W)
-    drifting.loss[60:] += np.array([0.05, 0.08, 0.11])  # a slow rise the law does not foresee
-    assert off_track(f, drifting) == [int(s) for s in healthy.steps[60:63]]
+    assert off_track(f, Curve(healthy.lr, healthy.steps[:64], healthy.loss[:64], W)) == []
+    drifting = Curve(healthy.lr, healthy.steps[:64], healthy.loss[:64].copy(), W)
+    drifting.loss[60:] += np.array([0.05, 0.08, 0.11, 0.14])  # a slow rise the law does not foresee
+    assert off_track(f, drifting) == [int(s) for s in healthy.steps[60:64]]
 
 
 def test_fit_time_grows_slowly_with_points():
@@ -102,7 +102,8 @@ def test_a_real_run_forecasts_in_the_loop_and_in_check_run(tmp_path, cache_dir, 
     argv = ["tests/fixtures/micro.yaml", "--output-dir", str(out)] + [x for s in sets for x in ("--set", s)]
     assert run_recipe.main(argv) == 0
     rows = [m for m in read_jsonl(out / "metrics.jsonl") if "forecast/final" in m]
-    assert rows and rows[0]["step"] == 20  # evals at 5, 10, 15, 20: the fourth point starts the forecast
+    # evals at 5, 10, ...; the fit starts at step 6 (twice the warmup): the fourth usable point, 25, starts it
+    assert rows and rows[0]["step"] == 25
     assert all(r["forecast/final_lo"] <= r["forecast/final"] <= r["forecast/final_hi"] for r in rows)
     events = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "forecast"]
     # the decay is the last 3 steps: one eval (step 30) inside it is not yet a calibration

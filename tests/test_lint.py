@@ -128,3 +128,10 @@ def test_evaluation_findings_context_off_and_misaligned_downstream():
     found = [f for f in lint(load_recipe(TINY, [lm])) if f.id == "PT017"]
     assert len(found) == 1 and "e.g. 50" in found[0].fix
     assert not [f for f in lint(load_recipe(TINY, [lm.replace("70", "100")])) if f.id == "PT017"]
+
+
+def test_muon_with_an_adamw_lr_and_the_original_adjustment_is_flagged():
+    muon = ["optimizer.type=muon", "optimizer.muon.adjust_lr=original"]
+    assert [f.id for f in lint(load_recipe(TINY, muon)) if f.id == "PT018"] == ["PT018"]
+    assert not [f for f in lint(load_recipe(TINY, muon + ["optimizer.lr=0.02"])) if f.id == "PT018"]
+    assert not [f for f in lint(load_recipe(TINY, ["optimizer.type=muon"])) if f.id == "PT018"]  # match_rms_adamw

@@ -49,6 +49,8 @@ class Curve:
     """Steps at which the loss was observed (1-based optimizer steps)."""
     loss: np.ndarray
     warmup: int = 0
+    first: int | None = None
+    """The first step the fit uses; None: max(2 x warmup, 10% of the steps) (see `fit_from`)."""
 
     def __post_init__(self) -> None:
         self.lr = np.asarray(self.lr, float)
@@ -56,6 +58,13 @@ class Curve:
         self.loss = np.asarray(self.loss, float)
         ok = np.isfinite(self.loss) & (self.steps >= 1) & (self.steps <= len(self.lr))
         self.steps, self.loss = self.steps[ok], self.loss[ok]
+
+    @property
+    def fit_from(self) -> int:
+        """The first step the fit uses: the first steps after initialisation fall faster than any law in the LR area
+        (the model leaves its random init), so by default observations before max(2 x warmup, 10% of the steps) are
+        left out."""
+        return self.first if self.first is not None else max(2 * self.warmup, len(self.lr) // 10, 1)
 
     def decay_points(self) -> int:
         """Observations made after the LR had fallen below its peak (after warmup)."""
@@ -145,7 +154,8 @@ def fit(curves: list[Curve], *, max_points: int = 400) -> Fit:
     """Fit the law jointly to `curves` (the run and any calibration curves), sharing every parameter."""
     data = []
     for c in curves:
-        s, v = _bin(c.steps, c.loss, max_points)
+        keep = c.steps >= c.fit_from
+        s, v = _bin(c.steps[keep], c.loss[keep], max_points)
         if len(s):
             data.append((c, s, v))
     y = np.concatenate([v for _, _, v in data]) if data else np.array([])
@@ -207,13 +217,19 @@ def predict(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray,
     return value, value - Z90 * sd, value + Z90 * sd
 
 
-def off_track(f: Fit, curve: Curve, last_n: int = 3) -> list[int]:
-    """The steps of the last `last_n` observations past the fit when all of them lie above its band (a drift the
-    law fitted then did not foresee); empty when the run is on track or too few observations came after the fit."""
+Z99 = 2.576
+
+
+def off_track(f: Fit, curve: Curve, last_n: int = 4) -> list[int]:
+    """The steps of the last `last_n` observations past the fit when all of them lie above its 99% band (a drift
+    the law fitted then did not foresee); empty when the run is on track or too few observations came after the fit.
+    99% and four in a row: the residuals of a real curve around the law are correlated, so a 90% band crossed
+    three times in a row is not rare on a healthy run."""
     later = curve.steps > f.fit_step
     steps, loss = curve.steps[later], curve.loss[later]
     if len(steps) < last_n:
         return []
     steps, loss = steps[-last_n:], loss[-last_n:]
-    _, _, hi = predict(f, curve.lr, steps, curve.warmup)
-    return [int(s) for s in steps] if bool(np.all(loss > hi)) else []
+    value, _, hi = predict(f, curve.lr, steps, curve.warmup)
+    bound = value + (hi - value) * Z99 / Z90
+    return [int(s) for s in steps] if bool(np.all(loss > bound)) else []

@@ -25,6 +25,11 @@ from .health import load_run, val_of
 MIN_POINTS = 4
 
 
+def usable(curve: Curve) -> int:
+    """Observations the fit uses (those from `curve.fit_from` on)."""
+    return int(np.sum(curve.steps >= curve.fit_from))
+
+
 def schedule_of(recipe: Recipe) -> np.ndarray:
     """The recipe's LR multiplier for each optimizer step 1..N (`[t-1]` is step t's)."""
     fn = lr_lambda(recipe)
@@ -101,15 +106,18 @@ class Outlook:
     fit_step_for_check: int | None
 
 
-def outlook(curve: Curve, calibration: list[Curve] = (), check_last: int = 3) -> Outlook:
-    """Fit on everything observed and forecast the final value; and, separately, fit on the evals before the last
-    `check_last` of the current stage-free stretch and ask whether those last evals lie above that fit's band."""
+def outlook(curve: Curve, calibration: list[Curve] = (), check_last: int = 4) -> Outlook:
+    """Fit on everything observed and forecast the final value; and, separately, refit on the first two thirds of
+    the evals the law uses (step M) and ask whether the last `check_last` evals lie above that fit's band: a drift
+    shows as evals the earlier law did not foresee, where a fit on everything would have bent to follow it."""
     f = fit([curve, *calibration])
     total = len(curve.lr)
     value, lo, hi = predict(f, curve.lr, [total], curve.warmup)
     drift, m = [], None
-    if len(curve.steps) >= MIN_POINTS + check_last:
-        m = int(curve.steps[-check_last - 1])
+    used = curve.steps[curve.steps >= curve.fit_from]
+    k = (2 * len(used)) // 3
+    if k >= MIN_POINTS and len(used) - k >= check_last:
+        m = int(used[k - 1])
         early = Curve(curve.lr, curve.steps[curve.steps <= m], curve.loss[curve.steps <= m], curve.warmup)
         drift = off_track(fit([early, *calibration]), curve, check_last)
     return Outlook(f, (float(value[0]), float(lo[0]), float(hi[0])), total, drift, m)
@@ -154,11 +162,13 @@ class Forecaster:
             self.points = [p for p in self.points if p[0] < step] + [(step, float(value))]
 
     def forecast(self) -> tuple[dict[str, float], dict] | None:
-        """(metrics, event details), or None while there are fewer than `MIN_POINTS` points."""
+        """(metrics, event details), or None while the fit has fewer than `MIN_POINTS` points to use."""
         if len(self.points) < MIN_POINTS:
             return None
         steps, loss = zip(*self.points)
         curve = Curve(self.lr, np.array(steps), np.array(loss), self.warmup)
+        if usable(curve) < MIN_POINTS:
+            return None
         f = fit([curve, *self.calibration])
         value, lo, hi = predict(f, self.lr, [len(self.lr)], self.warmup)
         metrics = {ev.FORECAST_FINAL: float(value[0]), ev.FORECAST_LO: float(lo[0]), ev.FORECAST_HI: float(hi[0])}
@@ -177,7 +187,7 @@ def forecast_report(run_dir: str | Path, target: float | None = None) -> dict | 
     if not (Path(run_dir) / "recipe.resolved.yaml").exists():
         return None
     curve = run_curve(run_dir)
-    if len(curve.steps) < MIN_POINTS:
+    if usable(curve) < MIN_POINTS:
         return None
     o = outlook(curve)
     v, lo, hi = o.final

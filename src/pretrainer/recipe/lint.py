@@ -304,6 +304,23 @@ def _hardware_rules(recipe: Recipe, fp8_capable: bool | None) -> list[Finding]:
     return []
 
 
+def _optimizer_rules(recipe: Recipe) -> list[Finding]:
+    """Muon's classic mistake: an AdamW-sized LR with Keller Jordan's adjustment, which expects a Muon-sized one
+    (~0.02). (Muon on the embeddings or the head cannot happen here: the split is by role, optim.py.)"""
+    opt = recipe.optimizer
+    if opt.type == "muon" and opt.muon.adjust_lr == "original" and opt.lr < 5e-3:
+        return [
+            Finding(
+                "PT018",
+                "optimizer.muon.adjust_lr",
+                f"Muon with adjust_lr: original and lr {opt.lr:g}, an AdamW-sized LR: the original adjustment "
+                "(sqrt(max(1, A/B))) does not match AdamW's update RMS, so the hidden matrices barely move.",
+                "use adjust_lr: match_rms_adamw (the AdamW LR and schedule then serve both), or a Muon LR (~0.02).",
+            )
+        ]
+    return []
+
+
 def lint(recipe: Recipe, available: dict[str, int] | None = None, fp8_capable: bool | None = None) -> list[Finding]:
     """All findings for a recipe; an empty list is a clean bill.
 
@@ -312,7 +329,7 @@ def lint(recipe: Recipe, available: dict[str, int] | None = None, fp8_capable: b
             repetition (their size is unknown until they are prepared).
         fp8_capable: whether the machine that runs it has fp8 tensor cores (None: unknown, not judged).
     """
-    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules)
+    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules, _optimizer_rules)
     return [
         *(f for rule in rules for f in rule(recipe)),
         *_repetition_rules(recipe, available or {}),
