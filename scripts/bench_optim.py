@@ -31,7 +31,7 @@ RUNS = {
     "muon lr 6e-3": ["optimizer.type=muon", "optimizer.lr=6e-3"],
     "muon lr 1.2e-2": ["optimizer.type=muon", "optimizer.lr=1.2e-2"],
 }
-SIZES = {"1.3M (tiny)": (128, 4, 4096), "10M": (256, 8, 8192), "57M": (512, 12, 16384)}
+SIZES = {"1.3M (tiny)": (128, 4, 4096), "4M": (256, 4, 4096), "11M": (384, 6, 8192)}
 
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
@@ -49,7 +49,7 @@ def train(out: Path, sets: list[str]) -> Path:
     return out
 
 
-def step_cost(kind: str, hidden: int, layers: int, vocab: int, repeats: int = 10) -> float:
+def step_cost(kind: str, hidden: int, layers: int, vocab: int, repeats: int = 3) -> float:
     """Median seconds of one optimizer step (gradients already in place) on a Llama of this size."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -66,11 +66,11 @@ def step_cost(kind: str, hidden: int, layers: int, vocab: int, repeats: int = 10
         p.grad = torch.randn_like(p) * 1e-3
     opt, _, _ = build_optimizer(model, OptimizerSection(type=kind, lr=1e-3))
     times = []
-    for _ in range(repeats + 2):
+    for _ in range(repeats + 1):
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    times = sorted(times[2:])
+    times = sorted(times[1:])
     return times[len(times) // 2]
 
 
