@@ -42,3 +42,18 @@ def step_losses(out: Path) -> dict[int, float]:
         for s, v in m.get("step_losses", []):
             losses[s] = v
     return losses
+
+
+def run_micro(out: Path, cache_dir: Path, *sets: str, args=(), processes: int = 1, env: dict | None = None):
+    """`scripts/run_recipe.py` on the micro recipe in a subprocess (`processes` > 1: DDP through torchrun), with
+    `--set` for each of `sets` and then `args`. Returns the completed process."""
+    import subprocess
+
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    cmd = [sys.executable, *(launcher if processes > 1 else []), "scripts/run_recipe.py", "tests/fixtures/micro.yaml"]
+    cmd += ["--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}"]
+    for s in sets:
+        cmd += ["--set", s]
+    cmd += list(args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import step_losses
+from conftest import run_micro, step_losses
 from transformers import AutoModelForCausalLM
 
 from pretrainer.observe.tracking import read_jsonl
@@ -280,17 +280,7 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
     # real data parallelism: gradients averaged over the ranks, so the run equals one process on the whole batch
     # (Accelerate treats CPU ranks as unrelated processes unless told they are CPUs: each then trained alone)
     one = tmp_path / "one"
-    cmd = [
-        sys.executable,
-        "scripts/run_recipe.py",
-        "tests/fixtures/micro.yaml",
-        "--output-dir",
-        str(one),
-        "--set",
-        f"data.cache_dir={cache_dir}",
-        *CKPT,
-    ]
-    assert subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    assert run_micro(one, cache_dir, "checkpoint.every_tokens=8192", "eval.every_steps=0").returncode == 0
     assert max(abs(v - step_losses(one)[k]) for k, v in step_losses(ref).items()) < 1e-4
     resumed_from(ref, out, 16)
     proc = run(out, "--resume", "auto")

@@ -1,16 +1,13 @@
 """Muon as a recipe optimizer: the split, one optimizer object over both kinds, proof that it orthogonalises (and a
 run that stops when it does not), exact resume, DDP equal to one process, and the refusal where it cannot run."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from conftest import step_losses
+from conftest import run_micro, step_losses
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -23,7 +20,7 @@ from pretrainer.train.optim import MuonAdamW, build_optimizer, split_for_muon
 from pretrainer.train.probe import OptimizerProbe
 
 ROOT = Path(__file__).resolve().parents[1]
-MUON = ["--set", "optimizer.type=muon"]
+MUON = ["--set", "optimizer.type=muon"]  # for run_recipe.main
 
 
 def tiny(tie: bool = True):
@@ -104,24 +101,11 @@ def test_refused_under_deepspeed_and_fsdp_with_one_line():
             build(recipe, acc, tok, recipe.plan, 1)
 
 
-def run(out: Path, cache_dir, *extra, env=None):
-    cmd = [
-        sys.executable,
-        "scripts/run_recipe.py",
-        "tests/fixtures/micro.yaml",
-        "--output-dir",
-        str(out),
-        "--set",
-        f"data.cache_dir={cache_dir}",
-        "--set",
-        "checkpoint.every_tokens=8192",
-        "--set",
-        "eval.every_steps=0",
-        *MUON,
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+SETS = ["checkpoint.every_tokens=8192", "eval.every_steps=0", "optimizer.type=muon"]
+
+
+def run(out: Path, cache_dir, *args, env=None, processes=1):
+    return run_micro(out, cache_dir, *SETS, args=args, env=env, processes=processes)
 
 
 @pytest.fixture(scope="module")
@@ -161,27 +145,7 @@ def test_a_muon_that_does_not_orthogonalise_stops_the_run(tmp_path, cache_dir, m
 
 def test_ddp_two_processes_equal_one_process(muon_ref, tmp_path, cache_dir):
     out = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "scripts/run_recipe.py",
-        "tests/fixtures/micro.yaml",
-        "--output-dir",
-        str(out),
-        "--set",
-        f"data.cache_dir={cache_dir}",
-        "--set",
-        "checkpoint.every_tokens=8192",
-        "--set",
-        "eval.every_steps=0",
-        *MUON,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = run(out, cache_dir, processes=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_jsonl(out / "events.jsonl")[0]["world"] == 2
     a, b = step_losses(muon_ref), step_losses(out)
