@@ -48,6 +48,7 @@ def test_bench_gpu_runs_the_trainer_per_variant(tmp_path, cache_dir):
     assert "document_masking: true" in resolved
 
 
+@pytest.mark.slow  # `make bench` itself; its report and the checkpoint benchmark stay in the default set
 def test_benchmark_end_to_end_small(tmp_path, cache_dir, monkeypatch):
     import benchmark
     from benchkit import harness as lib
@@ -114,9 +115,11 @@ def test_markdown_marks_missed_goals(tmp_path):
         "checkpoint_stall": {"sync_s": d, "background_s": d, "ratio": 0.05},
         "resume": {"100": d, "1000000000": d, "ratio": 1.0},
     }
+    (tmp_path / "B.md").write_text("# Benchmarks\n\n| old table |\n\n## Forecast\n\nwritten by hand\n")
     write_markdown(r, tmp_path / "B.md")
     text = (tmp_path / "B.md").read_text()
     assert "1.200x | <= 1.03x | **missed**" in text and "0.900x | <= 1.00x | met" in text
+    assert "| old table |" not in text and text.endswith("## Forecast\n\nwritten by hand\n")  # the rest is kept
 
 
 def test_bench_checkpoint_runs_one_small_size(tmp_path, capsys):

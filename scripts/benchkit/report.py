@@ -69,8 +69,11 @@ def write_markdown(r: dict, path: str | Path, notes: str = "") -> None:
         "",
     ]
     notes_file = Path(path).with_name("benchmark_notes.md")
+    old = Path(path).read_text() if Path(path).exists() else ""
     if notes:
         lines += [notes, ""]
+    elif "\n## " in old:  # the generated table is replaced; every section after it (written by hand) is kept
+        lines += [old[old.index("\n## ") + 1 :]]
     elif notes_file.exists():  # the analysis of the last measured run, kept by hand
         lines += [notes_file.read_text()]
     Path(path).write_text("\n".join(lines))
