@@ -27,6 +27,17 @@ def micro_recipe() -> Path:
     return FIXTURES / "micro.yaml"
 
 
+def tiny_llama(layers: int = 2, hidden: int = 32, kv_heads: int = 2, tie: bool = True, seed: int = 0, **config):
+    """A small random Llama (vocab 64, 4 heads, MLP 2x hidden) for unit tests; `config` overrides LlamaConfig."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers)
+    cfg.update(num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tie, **config)
+    return LlamaForCausalLM(LlamaConfig(**cfg))
+
+
 def write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)

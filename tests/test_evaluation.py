@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import ROOT, tiny_llama
+from transformers import LlamaForCausalLM
 
 from pretrainer.evaluation.context import context_verdict, position_buckets, position_table
 from pretrainer.evaluation.downstream import copy_holding
@@ -49,17 +49,7 @@ def copy_docs(n: int, length: int, gen: torch.Generator, period: int = 16, vocab
 
 def trained_llama(seq_len: int) -> LlamaForCausalLM:
     """A 2-layer RoPE Llama trained on the copy task at `seq_len`, advertising 256 positions."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        max_position_embeddings=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(hidden=64, kv_heads=4, tie=False, max_position_embeddings=256)
     opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
     for _ in range(300):
         x = copy_docs(2048 // seq_len, seq_len, gen)  # the same tokens per step at any seq_len
@@ -229,17 +219,7 @@ def test_heldout_task_builder_writes_well_formed_tasks(tmp_path):
 
 
 def test_a_gathered_bf16_state_makes_a_bf16_copy():
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        )
-    )
+    model = tiny_llama()
     state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     copy = copy_holding(model, state, "cpu")
     assert torch.get_default_dtype() == torch.float32  # put back

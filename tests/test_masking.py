@@ -5,8 +5,7 @@ import pytest
 import run_recipe
 import torch
 import torch.nn.functional as F
-from conftest import FIXTURES
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import FIXTURES, tiny_llama
 
 from pretrainer.model.masking import document_inputs, plain_inputs
 from pretrainer.observe.tracking import read_jsonl
@@ -15,17 +14,7 @@ EOS = 0
 
 
 def model(impl: str):
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        attn_implementation=impl,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(kv_heads=4, tie=False, max_position_embeddings=64, attn_implementation=impl).eval()
 
 
 def doc_losses(m, x: dict, bounds: list[tuple[int, int]]) -> list[float]:

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType
-from conftest import run_micro, step_losses
+from conftest import run_micro, step_losses, tiny_llama
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer.errors import PretrainerError
 from pretrainer.observe.tracking import read_jsonl
@@ -24,17 +23,7 @@ MUON = ["--set", "optimizer.type=muon"]  # for run_recipe.main
 
 
 def tiny(tie: bool = True):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(tie=tie)
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -11,6 +11,7 @@ from __future__ import annotations
 class EventKind(str):
     fields: frozenset[str]
     incident: bool
+    open_fields: bool
     doc: str
 
     def __new__(cls, name: str, fields: tuple[str, ...], doc: str, incident: bool = False, open_fields: bool = False):
@@ -51,9 +52,21 @@ LINT = _kind("lint", ("findings",), "the recipe linter's findings at the start")
 INJECT = _kind("inject", ("what",), "a debug.inject fault fired")
 
 # ------------------------------------------------------------------ the ladder of responses
-SKIPPED_UPDATE = _kind("skipped_update", ("loss", "grad_norm"), "an update not applied (non-finite)", incident=True)
-SPIKE = _kind("spike", ("onset", "reason", "zscore", "loss", "grad_norm"), "a loss spike detected", incident=True)
-ROLLBACK = _kind("rollback", ("to_step", "path", "replayed"), "restored an earlier checkpoint", incident=True)
+SKIPPED_UPDATE = _kind(
+    "skipped_update",
+    ("loss", "grad_norm", "reason", "limit", "tokens"),
+    "an update not applied (skip-step's outlier, or non-finite): tier 1",
+    incident=True,
+)
+SPIKE = _kind(
+    "spike",
+    ("onset", "reason", "zscore", "loss", "grad_norm", "layers"),
+    "a loss spike detected (`layers`: the decoder layers that moved first, when layer statistics are on)",
+    incident=True,
+)
+ROLLBACK = _kind(
+    "rollback", ("to_step", "path", "replayed", "tokens"), "restored an earlier checkpoint: tier 2", incident=True
+)
 ROLLBACK_LIMIT = _kind("rollback_limit", ("rollbacks", "window"), "too many rollbacks: the run stops")
 SKIP = _kind(
     "skip", ("stage", "first", "last", "onset", "blame"), "a sample range added to the skip ledger", incident=True
@@ -117,6 +130,11 @@ INCIDENT = "incident"
 FORECAST_FINAL = "forecast/final"
 """The final `val/ref` the law forecasts for the run's own schedule; `_lo` and `_hi`: its 90% band."""
 FORECAST_LO = "forecast/final_lo"
+TOKENS_LOST = "instability/tokens_lost"
+"""Tokens of the updates skip-step held back, cumulative (tier 1's cost; rollbacks' replays are in their events)."""
+LOSS_Z = "loss/z"
+"""The z-loss term's value (coefficient included), when `stability.z_loss` is on."""
+LAYERS_PREFIX = "layers/"
 FORECAST_HI = "forecast/final_hi"
 
 
