@@ -17,7 +17,9 @@ def ids(recipe):
     return {f.id for f in lint(recipe)}
 
 
-@pytest.mark.parametrize("path", ["recipes/tiny.yaml", "recipes/1b_wsd.yaml", "recipes/1b_cosine.yaml"])
+@pytest.mark.parametrize(
+    "path", ["recipes/tiny.yaml", "recipes/1b_wsd.yaml", "recipes/1b_cosine.yaml", "recipes/1b_wsd_stable.yaml"]
+)
 def test_shipped_recipes_are_quiet(path):
     assert lint(load_recipe(path)) == []
 
@@ -135,3 +137,13 @@ def test_muon_with_an_adamw_lr_and_the_original_adjustment_is_flagged():
     assert [f.id for f in lint(load_recipe(TINY, muon)) if f.id == "PT018"] == ["PT018"]
     assert not [f for f in lint(load_recipe(TINY, muon + ["optimizer.lr=0.02"])) if f.id == "PT018"]
     assert not [f for f in lint(load_recipe(TINY, ["optimizer.type=muon"])) if f.id == "PT018"]  # match_rms_adamw
+
+
+def test_a_large_low_precision_run_needs_qk_norm_or_z_loss():
+    wsd = "recipes/1b_wsd.yaml"
+    assert "PT019" in ids(load_recipe(wsd, ["stability.z_loss=0"]))  # 1.18B in bf16, Llama, no z-loss
+    assert "PT019" not in ids(load_recipe(wsd, ["stability.z_loss=0", "model.config.model_type=qwen3"]))
+    assert "PT019" not in ids(load_recipe(wsd, ["stability.z_loss=0", "precision.mixed=no"]))
+    assert "PT019" not in ids(load_recipe(TINY, ["precision.mixed=bf16"]))  # 5M parameters: not judged
+    f = next(f for f in lint(load_recipe(wsd, ["stability.z_loss=0"])) if f.id == "PT019")
+    assert "1.2B" in f.message and "z_loss" in f.fix

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -58,6 +59,33 @@ def build_model(section: ModelSection, config: PretrainedConfig, meta: bool = Fa
     if section.compile and not meta:
         compile_layers(model)
     return model
+
+
+OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "out_proj", "c_proj", "dense_4h_to_h", "wo", "w2", "fc2")
+"""Module names of a decoder layer's output projections (attention out, MLP down) across HF model families."""
+
+
+def scale_output_init(model: PreTrainedModel, std: float) -> int:
+    """`stability.init: scaled`: re-draw each decoder layer's output-projection weights with std / sqrt(2 x layers)
+    (GPT-2's and Megatron's depth-scaled init: the residual stream's variance then stays flat in depth). Returns how
+    many weights were re-drawn; a model with none of the known projection names is refused."""
+    layers = decoder_layers(model)
+    scaled = std / math.sqrt(2 * max(1, len(layers)))
+    weights = [
+        m.weight
+        for layer in layers
+        for name, m in layer.named_modules()
+        if name.rsplit(".", 1)[-1] in OUTPUT_PROJECTIONS and isinstance(getattr(m, "weight", None), torch.Tensor)
+    ]
+    if not weights:
+        raise RecipeError(
+            f"stability.init: scaled found no output projections ({', '.join(OUTPUT_PROJECTIONS)}) in the decoder "
+            f"layers of model type {model.config.model_type!r}; use init: hf"
+        )
+    with torch.no_grad():
+        for w in weights:
+            w.normal_(0.0, scaled)
+    return len(weights)
 
 
 def checkpoint_layers(model: PreTrainedModel, every: int) -> list[int]:

@@ -256,6 +256,7 @@ def report(
         k: sum(e["event"] == k for e in events) for k in (ev.SPIKE, ev.ROLLBACK, ev.SKIP, ev.TRANSIENT, ev.RESUME)
     }
     out["skips"] = [[e["stage"], e["first"], e["last"]] for e in events if e["event"] == ev.SKIP]
+    out["ladder"] = ladder(events)
     tps = [as_float(m.get("tokens_per_s")) for m in train if math.isfinite(as_float(m.get("tokens_per_s")))]
     if tps:
         out["throughput"] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_last": tps[-1]}
@@ -276,6 +277,27 @@ def report(
     if downstream := _downstream(run):
         out["downstream"] = downstream
     return out
+
+
+def ladder(events: list[dict]) -> dict[str, dict]:
+    """What each rung of the stability ladder cost: tier 1 skipped updates (one step's tokens each), tier 2
+    rollbacks (the replayed steps' tokens), tier 3 data skips (samples left out; no compute lost); and for spikes
+    the layers that moved first (layer statistics)."""
+    skipped = [e for e in events if e["event"] == ev.SKIPPED_UPDATE]
+    rollbacks = [e for e in events if e["event"] == ev.ROLLBACK]
+    skips = [e for e in events if e["event"] == ev.SKIP]
+    return {
+        "skip_step": {"steps": len(skipped), "tokens": sum(e.get("tokens") or 0 for e in skipped)},
+        "rollback": {
+            "rollbacks": len(rollbacks),
+            "replayed_steps": sum(e.get("replayed") or 0 for e in rollbacks),
+            "tokens": sum(e.get("tokens") or 0 for e in rollbacks),
+        },
+        "data_skip": {"ranges": len(skips), "samples": sum(e["last"] - e["first"] + 1 for e in skips)},
+        "leads": [
+            {"spike_step": e["step"], **e["layers"]} for e in events if e["event"] == ev.SPIKE and e.get("layers")
+        ],
+    }
 
 
 def _context(run: dict[str, Any]) -> dict[str, Any] | None:
@@ -321,6 +343,18 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(", ".join(f"{k}s: {v}" for k, v in inc.items()))
     if r["skips"]:
         lines.append(f"skipped sample ranges: {r['skips']}")
+    if lad := r.get("ladder"):
+        t1, t2, t3 = lad["skip_step"], lad["rollback"], lad["data_skip"]
+        lines.append(
+            f"tokens lost per tier: skip-step {t1['steps']} step(s), {t1['tokens']:,} tokens; rollback "
+            f"{t2['rollbacks']} ({t2['replayed_steps']:,} steps replayed, {t2['tokens']:,} tokens); data skip "
+            f"{t3['ranges']} range(s), {t3['samples']:,} samples"
+        )
+        for lead in lad["leads"]:
+            lines.append(
+                f"  spike at step {lead['spike_step']:,}: layers moved first at step {lead['step']:,} "
+                f"({lead['steps_before']} steps before the onset): {lead['moved']}"
+            )
     if "throughput" in r:
         lines.append(f"throughput: {r['throughput']['tokens_per_s_median']:,.0f} tokens/s (median)")
     if "latest_checkpoint" in r:

@@ -84,6 +84,11 @@ class RunLog:
         with open(self.dir / name, "a") as f:
             f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
+    def side(self, name: str, record: dict[str, Any]) -> None:
+        """One record in a side file of the run directory (e.g. layers.jsonl): not a metrics row, not tracked."""
+        with self.lock:
+            self._append(name, record)
+
     def metrics(self, step: int, values: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time() - self.t0, 3), **values}
         with self.lock:

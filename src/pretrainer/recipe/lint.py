@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from .schedules import lr_lambda
 from .schema import Recipe
+from .stability import prevention
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,41 @@ def _optimizer_rules(recipe: Recipe) -> list[Finding]:
     return []
 
 
+def approx_params(config: dict) -> int:
+    """Parameters of a Llama-shaped decoder from its config dict (attention with GQA, a gated MLP, the embeddings
+    once or twice): the size the lint judges by, without building the model."""
+    h, layers = config.get("hidden_size", 4096), config.get("num_hidden_layers", 32)
+    heads = config.get("num_attention_heads", 32)
+    head_dim = config.get("head_dim") or h // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    attn = h * heads * head_dim * 2 + 2 * h * kv
+    mlp = 3 * h * config.get("intermediate_size", 4 * h)
+    emb = config.get("vocab_size", 32000) * h * (1 if config.get("tie_word_embeddings", False) else 2)
+    return layers * (attn + mlp) + emb
+
+
+def _stability_rules(recipe: Recipe) -> list[Finding]:
+    """A low-precision run of 1B+ parameters with nothing against logit growth (OLMo 2's and 3's lesson: QK-norm and
+    z-loss are what kept their bf16 runs free of the loss spikes their predecessors had)."""
+    cfg = recipe.model.config
+    if recipe.precision.mixed not in ("bf16", "fp8") or prevention(cfg) or recipe.stability.z_loss > 0:
+        return []
+    n = approx_params(cfg)
+    if n < 1e9:
+        return []
+    return [
+        Finding(
+            "PT019",
+            "stability.z_loss",
+            f"a {recipe.precision.mixed} run of ~{n / 1e9:.1f}B parameters with neither QK-norm (model type "
+            f"{cfg.get('model_type', 'llama')!r}) nor a z-loss: nothing holds back the attention and output logits "
+            "from growing into loss spikes.",
+            "set stability.z_loss: 1.0e-5 (OLMo 3), or use a model type with QK-norm (recipes/1b_wsd_stable.yaml: "
+            "qwen3).",
+        )
+    ]
+
+
 def lint(recipe: Recipe, available: dict[str, int] | None = None, fp8_capable: bool | None = None) -> list[Finding]:
     """All findings for a recipe; an empty list is a clean bill.
 
@@ -329,7 +365,7 @@ def lint(recipe: Recipe, available: dict[str, int] | None = None, fp8_capable: b
             repetition (their size is unknown until they are prepared).
         fp8_capable: whether the machine that runs it has fp8 tensor cores (None: unknown, not judged).
     """
-    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules, _optimizer_rules)
+    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules, _optimizer_rules, _stability_rules)
     return [
         *(f for rule in rules for f in rule(recipe)),
         *_repetition_rules(recipe, available or {}),

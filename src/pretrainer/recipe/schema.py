@@ -22,6 +22,7 @@ from .sections import (
     StageSection,
     TokenizerSection,
 )
+from .stability import StabilitySection
 
 
 class Recipe(Section):
@@ -39,6 +40,7 @@ class Recipe(Section):
     clipping: ClippingSection = Field(default_factory=ClippingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     spikes: SpikesSection = Field(default_factory=SpikesSection)
+    stability: StabilitySection = Field(default_factory=StabilitySection)
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     debug: DebugSection = Field(default_factory=DebugSection)
@@ -101,6 +103,11 @@ class Recipe(Section):
                 if src not in self.data.sources:
                     raise ValueError(f"tokenizer.train.sources: {src!r} is not defined in data.sources")
         self._plan = plan
+        if self.stability.z_loss > 0 and self.model.kernels == "liger":
+            raise ValueError(
+                "stability.z_loss: not with model.kernels: liger (liger's fused loss replaces the model's loss "
+                "function; its lse_square_scale is not wired yet): use kernels: none, or z_loss: 0"
+            )
         return self
 
     @property

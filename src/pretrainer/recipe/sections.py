@@ -353,6 +353,15 @@ class SpikesSection(Section):
     """Steps past the spike's end that a replay must stay healthy for the spike to count as transient."""
 
 
+class GradScaleFault(Section):
+    """`debug.inject.grad_scale`: one step's gradients multiplied by `factor`."""
+
+    step: int = Field(ge=1)
+    """The optimizer step whose gradients are scaled (once per process)."""
+    factor: float = Field(gt=0)
+    """What they are multiplied by (1000: a gradient three orders of magnitude off)."""
+
+
 class InjectSection(Section):
     """Fault injection for drills and tests (each fires once per process unless said otherwise)."""
 
@@ -365,6 +374,9 @@ class InjectSection(Section):
     nan_state_step: int | None = None
     """After this step's update, put a NaN into the last rank's optimizer state (its own shard under ZeRO/FSDP),
     where no loss shows it yet: the live check at the next save must flag that checkpoint (once per process)."""
+    grad_scale: GradScaleFault | None = None
+    """Multiply one step's gradients by a factor (every micro batch's, on every backend): a one-step gradient
+    fault, which skip-step should absorb in place."""
     lr_drift: tuple[int, float] | None = None
     """(start step, rate): from that step on, the LR is multiplied by 1 + rate * (step - start): a slow drift that
     neither the spike rule nor the trend verdicts see at first (a test of the forecast's off-track verdict)."""

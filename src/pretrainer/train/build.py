@@ -9,7 +9,15 @@ import torch
 from accelerate.utils import DistributedType, set_seed
 
 from ..errors import PretrainerError
-from ..model.build import StageRope, build_config, build_model, count_params, non_embedding_params
+from ..model.build import (
+    StageRope,
+    build_config,
+    build_model,
+    count_params,
+    non_embedding_params,
+    scale_output_init,
+)
+from ..model.losses import ZLossLM, install_z_loss
 from ..recipe.plan import RunPlan
 from ..recipe.schedules import LRController, lr_lambda
 from ..recipe.schema import Recipe
@@ -31,6 +39,8 @@ class Built:
     fused: bool
     assignment: Assignment
     """Which parameters each optimizer steps (all on AdamW unless `optimizer.type: muon`)."""
+    zloss: ZLossLM | None = None
+    """The model's z-loss (`stability.z_loss` > 0), for logging `loss/z`."""
 
 
 def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int) -> Built:
@@ -40,6 +50,9 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
         recipe.model, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
     model = build_model(recipe.model, config)
+    if recipe.stability.init == "scaled":  # before any sharding: every rank draws the same weights from the seed
+        scale_output_init(model, config.initializer_range)
+    zloss = install_z_loss(model, recipe.stability.z_loss)
     n_params, n_non_emb = count_params(model), non_embedding_params(model)
     opt = recipe.optimizer
     if opt.type == "muon" and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
@@ -55,4 +68,4 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
     scheduler = LRController(optimizer, lr_lambda(recipe), opt.lr)
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
-    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment)
+    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss)

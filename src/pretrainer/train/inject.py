@@ -1,6 +1,6 @@
 """The recipe's fault injections (`debug.inject`), as wrappers installed only when a recipe asks for them: poisoned
 samples around the stage's batches, and per-step faults (a NaN loss, a corrupted optimizer state, a NaN in the
-optimizer state) around the step. Nothing here is on the path of a run that injects nothing."""
+optimizer state, scaled gradients) around the step. Nothing here is on the path of a run that injects nothing."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ class StepFaults:
                 group["lr"] *= 1.0 + drift[1] * (step - drift[0])
         return self._fire("nan", self.inject.nan_step, step)
 
+    def grad_factor(self, step: int) -> float:
+        """The factor this step's gradients are multiplied by (1.0 unless `grad_scale` fires now)."""
+        fault = self.inject.grad_scale
+        return fault.factor if fault is not None and self._fire("grad_scale", fault.step, step) else 1.0
+
     def after_step(self, step: int, optimizer, rank: int, world: int) -> None:
         """A NaN in the last rank's own optimizer state (the innermost torch optimizer: DeepSpeed's fp32 partition
         moments), if asked for this step."""
@@ -72,5 +77,21 @@ class PoisonedBatches(StageBatches):
 
 
 def wants_step_faults(inject: InjectSection) -> bool:
-    fields = (inject.corrupt_optimizer_step, inject.nan_step, inject.nan_state_step, inject.lr_drift)
+    fields = (
+        inject.corrupt_optimizer_step,
+        inject.nan_step,
+        inject.nan_state_step,
+        inject.lr_drift,
+        inject.grad_scale,
+    )
     return any(x is not None for x in fields)
+
+
+def stage_batches(recipe, spans, sources, stage: int, vocab_size: int) -> StageBatches:
+    """A stage's batches: with `debug.inject.poison_samples` applied when it names this stage (a drill: the same
+    samples poisoned at every draw)."""
+    args = (recipe.stages[stage], spans[stage], sources, recipe.run.seed)
+    poison = recipe.debug.inject.poison_samples
+    if poison is not None and poison[0] == stage:
+        return PoisonedBatches(*args, first=poison[1], last=poison[2], vocab_size=vocab_size)
+    return StageBatches(*args)

@@ -70,8 +70,12 @@ class SpikeHandler:
         sample_losses: SampleLosses,
         log,
         alert: Callable[[str, str], None],
+        leads: Callable[[int], dict | None] | None = None,
     ):
+        """Args:
+        leads: the layers that moved before a spike's onset (layer statistics), attached to the spike event."""
         self.cfg, self.find_target, self.sample_losses = cfg, find_target, sample_losses
+        self.leads = leads
         self.log, self.alert = log, alert
         self.detector = SpikeDetector(
             cfg.window, cfg.threshold, cfg.persistence, cfg.min_history, grace_steps=cfg.grace_steps
@@ -107,7 +111,16 @@ class SpikeHandler:
                 self.log.event(ev.TRANSIENT, step, onset=self.pending["onset"], end=self.pending["end"])
                 self.pending = None
             return OK
-        self.log.event(ev.SPIKE, step, onset=d.onset, reason=d.reason, zscore=d.zscore, loss=loss, grad_norm=grad_norm)
+        self.log.event(
+            ev.SPIKE,
+            step,
+            onset=d.onset,
+            reason=d.reason,
+            zscore=d.zscore,
+            loss=loss,
+            grad_norm=grad_norm,
+            layers=self.leads(d.onset) if self.leads is not None else None,
+        )
         self.alert("Loss spike", f"step {step}: {d.reason} (onset {d.onset})")
         p = self.pending
         if p and p["onset"] - self.cfg.persistence <= d.onset <= p["end"]:

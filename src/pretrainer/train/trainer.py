@@ -29,11 +29,13 @@ from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
+from .absorb import SkipStep
 from .accelerator import fp8_capable, make_accelerator
 from .build import build
 from .decisions import OK, Abort, Decision, Ok
 from .gns import GradientNoise
-from .inject import PoisonedBatches, StepFaults, wants_step_faults
+from .inject import StepFaults, stage_batches, wants_step_faults
+from .layers import layer_stats_for
 from .preemption import Preempted, PreemptFlag
 from .probe import OptimizerProbe
 from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
@@ -110,7 +112,11 @@ class Trainer:
             deep_verify=self.deep_verify,
         )
         self.save_clock = SaveClock(recipe.checkpoint, acc)
+        self.layer_stats = layer_stats_for(recipe, acc, self.model)
         self.spikes = self._spike_handler() if recipe.spikes.enabled else None
+        # the guard (one host read of loss and grad norm before each update) serves the spike rule and skip-step
+        self.guard = recipe.spikes.enabled or recipe.stability.skip_step.enabled
+        self.skip = SkipStep(recipe.stability.skip_step) if self.guard else None
         self.parts = Parts()
         self.parts.register("lr", self.scheduler)
         self.parts.register("loss_stats", self.loss_stats)
@@ -118,6 +124,8 @@ class Trainer:
             self.parts.register("gns", self.gns)
         if self.spikes is not None:
             self.parts.register("spikes", self.spikes)
+        if self.skip is not None:
+            self.parts.register("skip_step", self.skip)
         self.evaluate = Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs)
         self.downstream = Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps)
         self.forecaster = Forecaster.for_recipe(recipe)
@@ -131,13 +139,16 @@ class Trainer:
             self.scheduler,
             self.plan.max_grad_norm,
             self.log,
-            guard=self.spikes is not None,
+            guard=self.guard,
             inputs=self.inputs,
             gns=self.gns,
             faults=StepFaults(inject, self.log) if wants_step_faults(inject) else None,
             probe=OptimizerProbe(self.optimizer, recipe.logging.every_steps, True)
             if self.built.assignment.muon
             else None,
+            skip=self.skip,
+            layers=self.layer_stats,
+            zloss=self.built.zloss,
         )
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
@@ -153,19 +164,14 @@ class Trainer:
             return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips, self.inputs)
 
         alerts = partial(alert, acc, self.recipe.logging.report_to)
-        return SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, losses, self.log, alerts)
+        leads = self.layer_stats.leaders if self.layer_stats is not None else None
+        return SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, losses, self.log, alerts, leads)
 
     # ------------------------------------------------------------------ collaborators
 
     def batches_for(self, stage: int) -> StageBatches:
         if stage not in self._batchers:
-            args = (self.recipe.stages[stage], self.spans[stage], self.sources, self.recipe.run.seed)
-            poison = self.recipe.debug.inject.poison_samples
-            if poison is not None and poison[0] == stage:  # a drill: the same samples poisoned at every draw
-                batches = PoisonedBatches(*args, first=poison[1], last=poison[2], vocab_size=self.config.vocab_size)
-            else:
-                batches = StageBatches(*args)
-            self._batchers[stage] = batches
+            self._batchers[stage] = stage_batches(self.recipe, self.spans, self.sources, stage, self.config.vocab_size)
         return self._batchers[stage]
 
     # ------------------------------------------------------------------ the run
@@ -180,15 +186,8 @@ class Trainer:
             self.log.event(ev.RUN_END, self.state.step, tokens=self.state.tokens)
         self.accelerator.end_training()
         if self.health is not None:
-            print(
-                end_block(
-                    self.output_dir,
-                    self.health.val,
-                    self.log.counts,
-                    self.recipe.logging.report_to,
-                    self.health.context,
-                )
-            )
+            h, trackers = self.health, self.recipe.logging.report_to
+            print(end_block(self.output_dir, h.val, self.log.counts, trackers, h.context))
         return self.last
 
     def steps(self):
@@ -211,16 +210,9 @@ class Trainer:
         init_trackers(acc, recipe, self.output_dir, self.log, config=flatten(self.recipe_plain))
         restored = self._resume()
         if acc.is_main_process:
+            resumed, trackers = str(restored.path) if restored else None, recipe.logging.report_to
             print(
-                start_block(
-                    recipe,
-                    self.n_params,
-                    acc.num_processes,
-                    recipe.logging.report_to,
-                    self.output_dir,
-                    str(restored.path) if restored else None,
-                ),
-                flush=True,
+                start_block(recipe, self.n_params, acc.num_processes, trackers, self.output_dir, resumed), flush=True
             )
         if restored is None:
             self.log.event(
@@ -263,8 +255,11 @@ class Trainer:
         self.applied_stage = span.index
         if prev == span.index:  # back in the stage we were in (a rollback): nothing new starts
             return
-        if self.spikes and span.index > 0 and st.step == span.start_step:
-            self.spikes.start_grace(st.step)
+        if span.index > 0 and st.step == span.start_step:
+            if self.spikes:
+                self.spikes.start_grace(st.step)
+            if self.skip:
+                self.skip.start_stage()
         self.log.event(
             ev.STAGE_START,
             st.step,
@@ -290,13 +285,16 @@ class Trainer:
         st.step += 1
         st.tokens += span.tokens_per_step
         self.window.add(st.step, outcome.loss, span.tokens_per_step)
+        if outcome.skipped is not None:  # tier 1: the update was held back, the step's tokens are lost
+            self.skip.lost(st.step, outcome.observed, outcome.skipped, span.tokens_per_step, self.log)
         kill_point(f"step:{st.step}")
         if self.spikes is not None:
             self.spikes.record(st.step, span.index, cursor)
         return outcome
 
     def _decide(self, outcome: StepOutcome) -> Decision:
-        """What the parts make of the step (the spike handler alone, for now)."""
+        """What the parts make of the step: the spike handler's rollback or stop (skip-step has already acted
+        inside the step: it must, before the update)."""
         if self.spikes is None:
             return OK
         loss, grad_norm = outcome.observed
@@ -310,12 +308,20 @@ class Trainer:
         for stage, first, last in decision.skips:
             st.add_skip(stage, first, last)
         restored = self.ckpt.load(decision.target)
+        tokens_before = st.tokens
         st.rewind(restored.meta)
         self.parts.load_state_dict(restored.meta, rollback=True)
         if acc.is_main_process:
             write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
         replayed = decision.step - st.step
-        self.log.event(ev.ROLLBACK, decision.step, to_step=st.step, path=str(decision.target), replayed=replayed)
+        self.log.event(
+            ev.ROLLBACK,
+            decision.step,
+            to_step=st.step,
+            path=str(decision.target),
+            replayed=replayed,
+            tokens=tokens_before - st.tokens,
+        )
         alert(acc, self.recipe.logging.report_to, "Rollback", f"step {decision.step} -> {st.step} ({decision.target})")
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
         self.bar.n, self.span = st.step, None  # re-enter the stage the restored step is in
@@ -402,6 +408,7 @@ class Trainer:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             **{f"data/repeats/{n}": c for n, c in self.batcher.repeats.items()},
             **({"ckpt/blocked_s": self.ckpt.take_blocked()} if self.ckpt.blocked_s else {}),
+            **({ev.TOKENS_LOST: self.skip.tokens_lost} if self.skip is not None else {}),
         )
         if self.peak is not None:  # model FLOPs per device-second over the device's peak
             fpt = flops_per_token(self.config, self.n_non_emb, span.seq_len)
@@ -410,9 +417,11 @@ class Trainer:
             small = span.micro_batch_size * span.seq_len
             if (value := self.gns.estimate(self.accelerator, small, span.tokens_per_step, grad_norm)) is not None:
                 record["gns/b_simple"] = value
-        if self.runner.probe is not None:
-            record.update(self.runner.probe.take())
+        extra, layer_vectors = self.runner.take_metrics(st.step)
+        record.update(extra)
         self.log.metrics(st.step, record)
+        if layer_vectors is not None:
+            self.log.side("layers.jsonl", {"step": st.step, **layer_vectors})
         return record
 
     def _eval(self, context: bool) -> None:  # held-out losses (+ loss by position) and downstream scores
