@@ -52,7 +52,8 @@ def main(argv=None) -> int:
                 continue
             i = rng.choice(cand)
             gold = lines[i]
-            others = [ln for ln in rng.sample(pool, 40) if ln != gold and abs(len(ln) - len(gold)) < 20][:3]
+            near = (ln for ln in rng.sample(pool, 40) if ln != gold and abs(len(ln) - len(gold)) < 20)
+            others = list(dict.fromkeys(near))[:3]  # distinct: the code repeats lines (`out = tmp_path / "run"`)
             if len(others) < 3:
                 continue
             choices = others + [gold]
