@@ -40,6 +40,10 @@ def main(argv=None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         info = summarize(recipe, steps, available=prepared_tokens(recipe))
         if args.gpus:
+            try:  # the launch would stop on it: refuse before the estimate, not after the job is queued
+                info["grad_accum"] = recipe.plan.grad_accum(args.gpus)
+            except PretrainerError as e:
+                raise PretrainerError(f"--gpus {args.gpus}: {e}") from None
             info["wall_time"] = estimate_wall_time(info["total_flops"], args.gpus, args.mfu, args.peak_tflops)
         if args.plot:
             from pretrainer.observe.plots import plot_schedule

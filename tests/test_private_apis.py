@@ -24,6 +24,9 @@ PRIVATE = [
      "lm-eval's progress bars silenced for the duration of a scoring (its modules import `tqdm` by name)"),
     ("lm_eval.api.task", "tqdm", "evaluation/downstream.py", "as above"),
     ("lm_eval.models.huggingface", "tqdm", "evaluation/downstream.py", "as above"),
+    ("transformers.masking_utils", "find_packed_sequence_indices", "model/masking.py",
+     "skip the per-forward packed-sequence check (a host sync per micro batch) for rows without position ids; "
+     "transformers has no switch for it outside torch.compile"),
     ("wandb.proto.wandb_internal_pb2", "Record", "observe/wandb_history.py",
      "read an offline W&B run's history (the `.wandb` file format is undocumented) to backfill a resumed run"),
 ]  # fmt: skip

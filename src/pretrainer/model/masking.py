@@ -13,10 +13,13 @@ use flash attention on GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
+from transformers import masking_utils
 
 Inputs = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 """Token rows [B, T] -> the model's keyword arguments."""
@@ -54,3 +57,27 @@ def model_inputs(document_masking: bool, eos_id: int, attn_implementation: str |
     if not document_masking:
         return plain_inputs
     return partial(document_inputs, eos_id=eos_id, attn_implementation=attn_implementation or "sdpa")
+
+
+# transformers checks every forward's position ids for packed sequences (`find_packed_sequence_indices`), reading
+# them on the host: one device sync per micro batch. Rows fed without position ids are not packed by construction
+# (the model numbers them 0..T-1), so for those the check is skipped; with per-document position ids (document
+# masking on flash attention) it runs as before.
+_UNPACKED = contextvars.ContextVar("pretrainer_unpacked_rows", default=False)
+_find_packed = masking_utils.find_packed_sequence_indices
+
+
+def _find_packed_unless_unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
+    return None if _UNPACKED.get() else _find_packed(position_ids)
+
+
+@contextmanager
+def forward_of(inputs: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Around a forward pass of `inputs`: no packed-sequence check (and no host sync) when they carry no position
+    ids. Installs the check's wrapper once (it defers to transformers' own outside this context)."""
+    masking_utils.find_packed_sequence_indices = _find_packed_unless_unpacked
+    token = _UNPACKED.set("position_ids" not in inputs)
+    try:
+        yield
+    finally:
+        _UNPACKED.reset(token)

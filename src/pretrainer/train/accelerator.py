@@ -99,3 +99,6 @@ def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int
     ds["gradient_accumulation_steps"] = grad_accum
     ds["train_batch_size"] = micro * grad_accum * accelerator.num_processes
     ds["gradient_clipping"] = 0.0 if plan.max_grad_norm is None else plan.max_grad_norm  # DeepSpeed's "off" is 0
+    # DeepSpeed's throughput timer synchronises the device at every forward and step (two syncs per micro batch);
+    # the loop measures throughput itself
+    ds["timers"] = {"throughput": {"enabled": False, "synchronized": False}}

@@ -14,7 +14,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..model.losses import ZLossLM
-from ..model.masking import Inputs, plain_inputs
+from ..model.masking import Inputs, forward_of, plain_inputs
 from ..observe import events as ev
 from .absorb import SkipStep
 from .ds_gate import DeepSpeedGate
@@ -105,7 +105,9 @@ class StepRunner:
         for k, mb in enumerate(batches):
             mb = mb.to(acc.device, non_blocking=True)
             with acc.accumulate(model):
-                out = model(**self.inputs(mb), use_cache=False)
+                inputs = self.inputs(mb)
+                with forward_of(inputs):  # no per-micro-batch host sync in transformers' mask preparation
+                    out = model(**inputs, use_cache=False)
                 loss = out.loss * float("nan") if nan else out.loss
                 if self.zloss is not None:  # report the cross-entropy; the z term is logged on its own
                     self._z_sum += self.zloss.last_z
@@ -130,11 +132,12 @@ class StepRunner:
     def _update(self, step: int, loss: torch.Tensor):
         """Clip, then step unless the guard holds the update back (non-finite, or skip-step's outlier); the LR
         follows the step either way."""
-        grad_norm = self.acc.clip_grad_norm_(self.model.parameters(), self.max_norm)
-        if grad_norm is None:  # DeepSpeed: its engine has stepped already (see _after_deepspeed)
+        if self.acc.distributed_type == DistributedType.DEEPSPEED:
+            # its engine clipped and stepped inside backward (through the gate); _after_deepspeed reads what it did.
+            # Asking Accelerate for the norm here would read it on the host a second time.
+            self.scheduler.step()
             return None, None
-        if not torch.is_tensor(grad_norm):
-            grad_norm = torch.tensor(float(grad_norm), device=self.acc.device)
+        grad_norm = torch.as_tensor(self.acc.clip_grad_norm_(self.model.parameters(), self.max_norm))
         verdict = None
         if self.guard:
             observed = tuple(self.observe(loss, grad_norm))
