@@ -194,9 +194,12 @@ def _qk_modules(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.n
 
 
 def layer_stats_for(recipe, accelerator, model) -> LayerStats | None:
-    """The recipe's layer statistics for this backend: None when off, and under DeepSpeed (its flat partitions hold
-    the gradients); under FSDP each rank's shard sums are added over ranks."""
+    """The recipe's layer statistics for this backend: None when off, under DeepSpeed (its flat partitions hold the
+    gradients), and for a model without decoder layers we recognise; under FSDP each rank's shard sums are added
+    over ranks."""
     if not recipe.stability.layer_stats or accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return None
+    if not decoder_layers(accelerator.unwrap_model(model)):  # a model type without transformers' layer class
         return None
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     return LayerStats(
