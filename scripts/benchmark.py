@@ -34,7 +34,7 @@ def main(argv=None) -> int:
         from benchkit.report import environment, write_markdown
 
         with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-            result = run_all(args.recipe, args.rounds, args.chunk, args.threads, tmp)
+            result = run_all(args.recipe, args.rounds, args.chunk, args.threads, tmp, args.overrides)
         result["environment"] = environment()
         result["command"] = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
         with open(args.json_out, "w") as f:

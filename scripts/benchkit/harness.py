@@ -241,9 +241,10 @@ def bench_overrides(recipe_path: str) -> list[str]:
     return [f"stages=[{json.dumps(stage)}]", *BENCH_OVERRIDES]
 
 
-def run_all(recipe_path: str, rounds: int, chunk: int, threads: int, output_dir: str) -> dict:
+def run_all(recipe_path: str, rounds: int, chunk: int, threads: int, output_dir: str, extra: list[str] = ()) -> dict:
+    """`extra`: the command line's `--set` overrides, applied after the benchmark's own."""
     torch.set_num_threads(threads)
-    overrides = bench_overrides(recipe_path)
+    overrides = [*bench_overrides(recipe_path), *extra]
     recipe = load_recipe(recipe_path, overrides)
     trainer = Trainer(recipe, output_dir=output_dir, overwrite=True)
     overhead = step_overhead(trainer, rounds, chunk)
