@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pretrainer.cli import run_main, script_parser
+from pretrainer.cli import emit_json, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,10 +67,10 @@ def main(argv=None) -> int:
                 )
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1))
-        print(json.dumps(out) if args.json else format_result(out))
+        emit_json(out) if args.json else print(format_result(out))
         return 0
 
-    return run_main(run, debug=args.debug)
+    return run_main(run, debug=args.debug, json_out=args.json)
 
 
 def format_result(out: dict) -> str:

@@ -11,9 +11,8 @@ points, the fitted curve and its band, and the final loss under other schedules 
 from __future__ import annotations
 
 import argparse
-import json
 
-from pretrainer.cli import run_main, script_parser
+from pretrainer.cli import emit_json, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
         if args.plot:
             out["plot"] = str(plot(args.plot, f, curve, observed, alts, np))
         if args.json:
-            print(json.dumps(out))
+            emit_json(out)
             return 0
         fv = out["final"]
         print(f"fit on {f.points} evals up to step {f.fit_step}: {f.mode}, residual sd {f.sigma:.4f}")
@@ -92,7 +91,7 @@ def main(argv=None) -> int:
             print(f"note: {note}")
         return 0
 
-    return run_main(run, debug=args.debug)
+    return run_main(run, debug=args.debug, json_out=args.json)
 
 
 def plot(path, f, curve, observed, alts, np):

@@ -7,9 +7,8 @@ python scripts/inspect_recipe.py recipes/1b_wsd.yaml --json
 from __future__ import annotations
 
 import argparse
-import json
 
-from pretrainer.cli import run_main, script_parser
+from pretrainer.cli import emit_json, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,12 +48,12 @@ def main(argv=None) -> int:
             from pretrainer.observe.plots import plot_schedule
 
             plot_schedule(recipe, info, args.plot)
-        print(json.dumps(info) if args.json else format_summary(info))
+        emit_json(info) if args.json else print(format_summary(info))
         if args.strict and info["findings"]:
             raise PretrainerError(f"{args.recipe}: {len(info['findings'])} lint finding(s) under --strict")
         return 0
 
-    return run_main(run, debug=args.debug)
+    return run_main(run, debug=args.debug, json_out=args.json)
 
 
 if __name__ == "__main__":

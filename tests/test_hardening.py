@@ -391,3 +391,18 @@ def test_fuzz_1000_malformed_recipes_no_tracebacks(tmp_path):
     tracemalloc.stop()
     assert outcomes["error"] > 500 and peak < 200 * 2**20, (outcomes, peak)
     assert time.perf_counter() - t0 < 120
+
+
+def test_overwrite_leaves_nothing_of_the_old_run_a_later_command_could_read(tmp_path):
+    """Its exported models and DeepSpeed's universal conversions of its checkpoints go with its logs: a resume of the
+    new run would otherwise reuse a conversion of the old run's step of the same number."""
+    from pretrainer.train.rundir import RunDir
+
+    for name in ("checkpoints/step_00000008", "final", "merged", "universal/step_00000008", "keep_me"):
+        (tmp_path / name).mkdir(parents=True)
+    for name in ("metrics.jsonl", "events.jsonl", "layers.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    rundir = RunDir(tmp_path, "none", overwrite=True)
+    rundir.clear_old_run()
+    rundir.release()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["keep_me"]  # .lock stays

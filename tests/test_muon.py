@@ -134,6 +134,8 @@ def test_a_muon_that_does_not_orthogonalise_stops_the_run(tmp_path, cache_dir, m
     assert run_recipe.main(argv + MUON) == 2
     err = capsys.readouterr().err
     assert "error: optimizer.type: muon, but the update applied at step 5" in err and "is not Muon" in err
+    # mid-run, with the progress bar on its line: the error still starts a line of its own (log readers grep ^error:)
+    assert any(line.startswith("error: optimizer.type: muon") for line in err.split("\n"))
 
 
 @pytest.mark.slow  # the DDP path's representative is tests/test_distributed.py; this is Muon's variation

@@ -3,13 +3,52 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable
 
 from .errors import PretrainerError
 
+_JSON_FD: int | None = None
+"""With `--json`: the real standard output, kept for the one object `emit_json` writes."""
 
-def run_main(fn: Callable[[], int], debug: bool = False) -> int:
+
+def emit_json(obj) -> None:
+    """The script's JSON object, alone on standard output (whatever the libraries printed went to stderr)."""
+    text = json.dumps(obj) + "\n"
+    if _JSON_FD is None:
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    os.write(_JSON_FD, text.encode())
+
+
+def _stdout_is_fd1() -> bool:
+    """False when stdout is not the process's (a test's capture): then there is nothing to redirect."""
+    try:
+        return sys.stdout.fileno() == 1
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def run_main(fn: Callable[[], int], debug: bool = False, json_out: bool = False) -> int:
+    """Run a script's body: a PretrainerError is one `error:` line and its exit code. `json_out`: while the body
+    runs, file descriptor 1 points at stderr, so what libraries print to stdout (DeepSpeed's accelerator notice,
+    progress bars, loggers that captured `sys.stdout`) cannot come before the object; `emit_json` writes it to the
+    real stdout."""
+    global _JSON_FD
+    if json_out and _JSON_FD is None and _stdout_is_fd1():
+        sys.stdout.flush()
+        _JSON_FD = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            return run_main(fn, debug)
+        finally:
+            sys.stdout.flush()
+            os.dup2(_JSON_FD, 1)
+            os.close(_JSON_FD)
+            _JSON_FD = None
     try:
         return fn()
     except PretrainerError as e:

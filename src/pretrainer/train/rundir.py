@@ -12,7 +12,10 @@ from pathlib import Path
 from ..errors import PretrainerError
 
 LOCK = ".lock"
-OLD_RUN = ("metrics.jsonl", "events.jsonl", "wandb_id", "skip_ledger.json", "recipe.resolved.yaml")
+OLD_RUN = ("metrics.jsonl", "events.jsonl", "wandb_id", "skip_ledger.json", "recipe.resolved.yaml", "layers.jsonl")
+OLD_RUN_DIRS = ("checkpoints", "final", "merged", "universal")
+"""What `--overwrite` removes: nothing of the old run that a later command could read as the new run's (its exported
+models, and DeepSpeed's universal conversions of its checkpoints, which a resume would otherwise reuse)."""
 
 
 class RunDir:
@@ -65,10 +68,11 @@ class RunDir:
 
     def clear_old_run(self) -> None:
         """With `--overwrite`, after the new run's recipe, data, tokenizer and model are known good: remove the old
-        run's logs, ledger and checkpoints (main process)."""
+        run's logs, ledger, checkpoints, conversions and exported models (main process)."""
         if not (self.stale and self.is_main):
             return
         for name in OLD_RUN:
             (self.path / name).unlink(missing_ok=True)
-        shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+        for name in OLD_RUN_DIRS:
+            shutil.rmtree(self.path / name, ignore_errors=True)
         self.stale = False
