@@ -9,9 +9,8 @@ latest verified checkpoint, gradient noise scale, and a picture.
 from __future__ import annotations
 
 import argparse
-import json
 
-from pretrainer.cli import run_main, script_parser
+from pretrainer.cli import emit_json, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,22 +37,25 @@ def main(argv=None) -> int:
 
         from pretrainer.errors import PretrainerError
         from pretrainer.observe.health import format_report, report
-        from pretrainer.observe.outlook import forecast_report
+        from pretrainer.observe.outlook import forecast_report, merged_report
 
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
         r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep")
         if (fc := forecast_report(args.output_dir, args.target)) is not None:
             r["forecast"] = fc
+        if (mr := merged_report(args.output_dir)) is not None:
+            r["merged"] = mr
         if args.plot:
             from pretrainer.observe.plots import plot_run
 
             r["plot"] = str(plot_run(args.output_dir, args.plot))
         text = format_report(r) + "".join(f"\nforecast: {line}" for line in r.get("forecast", {}).get("lines", []))
-        print(json.dumps(r) if args.json else text)
+        text += f"\naveraging: {mr['line']}" if mr is not None else ""
+        emit_json(r) if args.json else print(text)
         return 0
 
-    return run_main(run, debug=args.debug)
+    return run_main(run, debug=args.debug, json_out=args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Export a checkpoint as a Hugging Face model (safetensors + tokenizer), ZeRO-3 shards included.
 
 python scripts/export_checkpoint.py runs/tiny/checkpoints/step_00000150 exported/tiny-150
+python scripts/export_checkpoint.py runs/tiny/checkpoints/step_00000150 exported/tiny-150-merged --merged
 python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exported/tiny-150')"
 """
 
@@ -16,6 +17,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("checkpoint")
     p.add_argument("out")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--merged", action="store_true", help="the averaged weights (recipe `averaging`), not the live ones"
+    )
     return p.parse_args(argv)
 
 
@@ -25,7 +29,7 @@ def main(argv=None) -> int:
     def run() -> int:
         from pretrainer.checkpoint.export import export_checkpoint
 
-        print(export_checkpoint(args.checkpoint, args.out, args.dtype))
+        print(export_checkpoint(args.checkpoint, args.out, args.dtype, args.merged))
         return 0
 
     return run_main(run, debug=args.debug)

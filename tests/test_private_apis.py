@@ -11,6 +11,12 @@ PRIVATE = [
     # (module, attribute path, used in, why)
     ("torch", "_foreach_norm", "checkpoint/integrity.py",
      "one fused max-abs per dtype group for the live NaN/Inf check (torch has no public foreach norm)"),
+    ("torch", "_foreach_lerp_", "train/averaging.py",
+     "the EMA update over every tensor of the rank's share in one kernel launch (with _foreach_mul_/_add_/copy_/"
+     "zero_; torch has no public foreach API; optimizers use the same)"),
+    ("torch", "_foreach_copy_", "train/averaging.py", "the merged weights swapped into the live tensors and back"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "train/averaging.py",
+     "where this rank's FSDP2 shard starts in the full parameter, to store the average as flat pieces"),
     ("torch.distributed._state_dict_utils", "_copy_state_dict", "checkpoint/dcp.py",
      "copy FSDP2 shards into pinned host buffers reused between async saves (DCP's own staging helper)"),
     ("torch.distributed._state_dict_utils", "_create_cpu_state_dict", "checkpoint/dcp.py",

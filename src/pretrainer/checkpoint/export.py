@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import PretrainerError
-from . import read_meta, verify
+from . import pieces, read_meta, verify
 from .safe_load import weights_only
 
 
@@ -41,15 +41,32 @@ def _dcp_state_dict(ckpt: Path, model) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32") -> Path:
-    """Write `out/` with config (RoPE as trained), safetensors weights and the tokenizer."""
+def merged_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The averaged weights a checkpoint holds (recipe `averaging`), assembled from every rank's pieces."""
+    directory = ckpt / "averaging" / "merged"
+    if not directory.is_dir():
+        raise PretrainerError(
+            f"{ckpt}: no averaged weights (averaging/merged/): the run had averaging off, or saved this checkpoint "
+            "before averaging began"
+        )
+    reader = pieces.Reader(directory)
+    return {name: reader.full(name) for name in reader.names()}
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32", merged: bool = False) -> Path:
+    """Write `out/` with config (RoPE as trained), safetensors weights and the tokenizer; `merged`: the averaged
+    weights instead of the live ones."""
     ckpt, out = Path(ckpt), Path(out)
     if problems := verify(ckpt):
         raise PretrainerError(f"{ckpt}: does not verify: {'; '.join(problems[:3])}")
     meta = read_meta(ckpt)
     cfg = dict(meta["model_config"])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    if (ckpt / "dcp" / ".metadata").exists():
+    if merged:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        state = merged_state_dict(ckpt)
+    elif (ckpt / "dcp" / ".metadata").exists():
         model = AutoModelForCausalLM.from_config(config)
         state = _dcp_state_dict(ckpt, model)
     else:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from accelerate.utils import DistributedType
 
@@ -38,6 +39,18 @@ def _why(e: Exception) -> str:
     return getattr(e, "strerror", None) or first_line(e)
 
 
+class Sidecar(Protocol):
+    """State a rank holds beside the model and optimizer, in files of its own under the checkpoint."""
+
+    def save(self, directory: Path) -> None: ...
+
+    def snapshot(self, directory: Path) -> Callable[[], None]:
+        """A copy taken now, written by the returned function (in the background writer)."""
+        ...
+
+    def restore(self, directory: Path) -> None: ...
+
+
 @dataclass(frozen=True)
 class Restored:
     """What a load put back in place (model, optimizer, RNG), and the meta for the loop to hand to the parts."""
@@ -58,14 +71,17 @@ class CheckpointManager:
         optimizer,
         log,
         extra_files: dict[str, Callable[[Path], None]] | None = None,
+        sidecars: dict[str, Sidecar] | None = None,
         deep_verify: bool = False,
     ):
         """Args:
         extra_files: sub-directory name -> writer, called at each save (e.g. the tokenizer).
+        sidecars: sub-directory name -> per-rank state saved and restored with the model (the averaged weights).
         deep_verify: also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`)."""
         self.acc, self.section, self.root = accelerator, section, Path(root)
         self.model, self.optimizer = model, optimizer
         self.log, self.extra_files, self.deep_verify = log, extra_files or {}, deep_verify
+        self.sidecars = sidecars or {}
         self.writer = BackgroundWriter()
         self.blocked_s = 0.0
         """Seconds the loop was blocked by saves since `take_blocked()` was last called."""
@@ -135,6 +151,12 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             ck.remove_dir(tmp) if tmp.exists() else None
         acc.wait_for_everyone()
+        if not self.async_ok:  # every rank its own files, before the engine's (which are slower to write)
+            try:
+                for sub, sidecar in self.sidecars.items():
+                    sidecar.save(tmp / sub)
+            except Exception as e:
+                self._fail(tmp, meta["step"], e)
         if self.dcp is not None:
             try:
                 self.dcp.save(
@@ -152,7 +174,8 @@ class CheckpointManager:
             if acc.is_main_process:  # only the main process writes, so only it needs a copy
                 snap = Snapshot(acc, self.model, self.optimizer, self._pool)
                 self._pool = snap.pool
-                self.writer.submit(lambda: self._write(snap, tmp, final, meta, t0, staged, protected))
+                sides = [sidecar.snapshot(tmp / sub) for sub, sidecar in self.sidecars.items()]
+                self.writer.submit(lambda: self._write(snap, sides, tmp, final, meta, t0, staged, protected))
         else:
             try:
                 acc.save_state(str(tmp), safe_serialization=True)
@@ -171,10 +194,12 @@ class CheckpointManager:
         if self.dcp is not None:
             self.dcp.wait()
 
-    def _write(self, snap: Snapshot, tmp: Path, final: Path, meta: dict, t0: float, staged, protected) -> None:
+    def _write(self, snap: Snapshot, sides, tmp: Path, final: Path, meta: dict, t0: float, staged, protected) -> None:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             snap.write(tmp, 0)
+            for write in sides:
+                write()
         except Exception as e:
             self._fail(tmp, meta["step"], e)
         self._commit(Group(alone=True), tmp, final, meta, t0, staged, protected)  # the main process alone wrote it
@@ -319,4 +344,6 @@ class CheckpointManager:
             raise PretrainerError(
                 f"--resume {path}: the checkpoint does not fit this recipe's model: {(lines or [str(e)[:200]])[0]}"
             ) from None
+        for sub, sidecar in self.sidecars.items():
+            sidecar.restore(Path(path) / sub)
         return Restored(Path(path), meta["step"], meta)

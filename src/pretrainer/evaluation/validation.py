@@ -77,6 +77,14 @@ class Evaluator:
         self.model.train()
         return out
 
+    @torch.no_grad()
+    def reference(self) -> float:
+        """`val/ref` alone (the merged weights' eval)."""
+        self.model.eval()
+        value = self._losses(*self.ref)["val/avg"]
+        self.model.train()
+        return value
+
     def _losses(self, seq_len: int, micro: int) -> dict[str, float]:
         """Split over ranks; every rank runs the same number of forwards (ZeRO-3 gathers parameters inside
         forward, so an uneven count would hang)."""

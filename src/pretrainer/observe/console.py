@@ -59,6 +59,8 @@ def end_block(
     lines.append("incidents: " + ", ".join(f"{k} {counts.get(k, 0)}" for k in shown))
     lines.append(f"checkpoints kept: {', '.join(checkpoints) or 'none'}")
     lines.append(f"model: {output_dir}/final (AutoModelForCausalLM.from_pretrained)")
+    if (Path(output_dir) / "merged").is_dir():
+        lines.append(f"       {output_dir}/merged (the averaged weights)")
     lines.append(f"next: python scripts/check_run.py {output_dir} --plot report.png")
     if "wandb" in trackers and _offline():
         lines.append(f"      wandb sync {output_dir}/wandb/offline-run-*")

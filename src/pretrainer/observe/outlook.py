@@ -197,3 +197,50 @@ def forecast_report(run_dir: str | Path, target: float | None = None) -> dict | 
         "off_track": o.off_track,
         "fit": o.fit.as_dict(),
     }
+
+
+def decay_from(recipe: Recipe, now: int, steps: int) -> np.ndarray:
+    """The run's LR to step `now`, then a decay of `steps` steps from there in the recipe's shape and floor."""
+    s = recipe.schedule
+    before = schedule_of(recipe)[:now]
+    kw = dict(warmup_steps=0, total_steps=steps, decay_steps=steps, min_lr_ratio=s.min_lr_ratio, decay_start=0)
+    after = np.array([wsd(i, decay_shape=s.decay_shape, **kw) for i in range(steps)])
+    return np.concatenate([before, after * (before[-1] if now else 1.0)])
+
+
+def merged_report(run_dir: str | Path) -> dict | None:
+    """What averaging gave, beside what a decay would: the last eval's `val/ref_merged` against the live `val/ref`,
+    and the forecast of a decay of the recipe's own length started at that step (fitted on the evals up to it, with
+    the recipe's calibration runs; stable-phase only without them), and each calibration run's measured final value.
+    None when the run logged no merged eval."""
+    run_dir = Path(run_dir)
+    recipe = load_recipe(run_dir / "recipe.resolved.yaml")
+    start = recipe.plan.decay_start
+    evals = load_run(run_dir)["evals"]
+    rows = [m for m in evals if ev.VAL_REF_MERGED in m]
+    stable = [m for m in rows if start is None or m["step"] <= start]  # the question is asked before a decay
+    if not rows:
+        return None
+    m = (stable or rows)[-1]
+    n, merged, live = m["step"], m[ev.VAL_REF_MERGED], m.get(ev.VAL_REF, float("nan"))
+    out = {"step": n, "merged": merged, "live": live}
+    line = f"merged weights at step {n}: val/ref {merged:.4f} (live {live:.4f}, {merged - live:+.4f})"
+    calibration = [calibration_curve(p, recipe.optimizer.lr) for p in recipe.eval.forecast.calibrate]
+    curve = run_curve(run_dir, recipe, fit_until=n)
+    length = recipe.plan.decay_steps or max(1, round(0.2 * n))
+    if usable(curve) >= MIN_POINTS:
+        f = fit([curve, *calibration])
+        value, lo, hi = (float(x[0]) for x in predict(f, decay_from(recipe, n, length), [n + length], curve.warmup))
+        out["decay_forecast"] = {"steps": length, "value": value, "lo": lo, "hi": hi, "mode": f.mode}
+        mode = "" if f.calibrated else " (stable-phase only: no decay gain without a calibration run)"
+        line += f"; a {length}-step decay from step {n} is forecast at {value:.4f} [{lo:.4f}, {hi:.4f}]{mode}"
+    ends = [e for e in evals if e["step"] == recipe.plan.total_steps and ev.VAL_REF in e]
+    if start is not None and n == start and ends:  # the run decayed from this very step: its own measurement
+        out["decay_measured"] = {"run": str(run_dir), "step": ends[-1]["step"], "value": ends[-1][ev.VAL_REF]}
+        line += f"; the run's own decay reached {ends[-1][ev.VAL_REF]:.4f} at step {ends[-1]['step']}"
+    for path in recipe.eval.forecast.calibrate:
+        if Path(path).is_dir() and (c := run_curve(path)).steps.size:
+            out.setdefault("branches", []).append({"run": str(path), "step": int(c.steps[-1]), "value": c.loss[-1]})
+            line += f"; measured on {path}: {c.loss[-1]:.4f} at step {int(c.steps[-1])}"
+    out["line"] = line
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from .averaging import AveragingSection
 from .eval_sections import EvalSection, Section
 from .plan import RunPlan, build_plan
 from .sections import (
@@ -41,6 +42,7 @@ class Recipe(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     spikes: SpikesSection = Field(default_factory=SpikesSection)
     stability: StabilitySection = Field(default_factory=StabilitySection)
+    averaging: AveragingSection = Field(default_factory=AveragingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     debug: DebugSection = Field(default_factory=DebugSection)
@@ -108,6 +110,17 @@ class Recipe(Section):
                 "stability.z_loss: not with model.kernels: liger (liger's fused loss replaces the model's loss "
                 "function; its lse_square_scale is not wired yet): use kernels: none, or z_loss: 0"
             )
+        if self.averaging.method == "window" and self.averaging.window.every is None:
+            cadence = self.eval.every_steps
+            if not cadence:
+                raise ValueError(
+                    "averaging.window.every: needed when eval.every_steps is 0 (no eval cadence to merge at)"
+                )
+            if self.averaging.window.steps > cadence:
+                raise ValueError(
+                    f"averaging.window.steps: {self.averaging.window.steps} is more than the {cadence} steps between "
+                    "merges (eval.every_steps)"
+                )
         return self
 
     @property

@@ -68,6 +68,12 @@ class Parts:
             raise ValueError(f"a part named {name!r} is already registered")
         self._parts[name] = part
 
+    def register_all(self, parts: dict[str, Stateful | None]) -> None:
+        """Each part by its name; None (a part the recipe turned off) is left out."""
+        for name, part in parts.items():
+            if part is not None:
+                self.register(name, part)
+
     def __contains__(self, name: str) -> bool:
         return name in self._parts
 

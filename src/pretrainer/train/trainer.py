@@ -14,8 +14,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import CheckpointManager, Restored
 from ..checkpoint.export import save_final
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources
-from ..evaluation.downstream import Downstream
-from ..evaluation.validation import Evaluator, eval_due, sample_losses
+from ..evaluation.validation import eval_due, sample_losses
 from ..faults import kill_point
 from ..model.build import flops_per_token
 from ..model.masking import model_inputs
@@ -23,7 +22,6 @@ from ..observe import events as ev
 from ..observe.console import announce, end_block, start_block
 from ..observe.health import HealthMonitor
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
-from ..observe.outlook import Forecaster
 from ..observe.tracking import RunLog, alert, quiet_known_noise
 from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
@@ -31,8 +29,10 @@ from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
 from .absorb import SkipStep
 from .accelerator import fp8_capable, make_accelerator
+from .averaging import WeightAverage
 from .build import build
 from .decisions import OK, Abort, Decision, Ok
+from .evals import EvalRound
 from .gns import GradientNoise
 from .inject import StepFaults, stage_batches, wants_step_faults
 from .layers import layer_stats_for
@@ -101,6 +101,7 @@ class Trainer:
         # nor when a step is a single micro batch on a single process.
         plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.gns = GradientNoise(recipe.logging.every_steps) if plain and self.grad_accum > 1 else None
+        self.average = WeightAverage.for_recipe(recipe, acc, self.model)
         self.ckpt = CheckpointManager(
             acc,
             recipe.checkpoint,
@@ -109,6 +110,7 @@ class Trainer:
             optimizer=self.optimizer,
             log=self.log,
             extra_files={"tokenizer": self.tokenizer.save_pretrained},
+            sidecars={"averaging": self.average} if self.average is not None else None,
             deep_verify=self.deep_verify,
         )
         self.save_clock = SaveClock(recipe.checkpoint, acc)
@@ -118,19 +120,10 @@ class Trainer:
         self.guard = recipe.spikes.enabled or recipe.stability.skip_step.enabled
         self.skip = SkipStep(recipe.stability.skip_step) if self.guard else None
         self.parts = Parts()
-        self.parts.register("lr", self.scheduler)
-        self.parts.register("loss_stats", self.loss_stats)
-        if self.gns is not None:
-            self.parts.register("gns", self.gns)
-        if self.spikes is not None:
-            self.parts.register("spikes", self.spikes)
-        if self.skip is not None:
-            self.parts.register("skip_step", self.skip)
-        self.evaluate = Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs)
-        self.downstream = Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps)
-        self.forecaster = Forecaster.for_recipe(recipe)
-        if self.forecaster is not None:
-            self.parts.register("forecast", self.forecaster)
+        self.parts.register_all(
+            {"lr": self.scheduler, "loss_stats": self.loss_stats, "gns": self.gns, "spikes": self.spikes}
+        )
+        self.parts.register_all({"skip_step": self.skip, "averaging": self.average})
         inject = recipe.debug.inject
         self.runner = StepRunner(
             acc,
@@ -153,9 +146,22 @@ class Trainer:
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
             self.log.observers.append(self.health)
+        self.evals = EvalRound(
+            acc,
+            self.model,
+            self.tokenizer,
+            self.sources,
+            recipe,
+            self.inputs,
+            self.total_steps,
+            self.log,
+            self.health,
+            self.average,
+        )
+        self.parts.register_all({"forecast": self.evals.forecaster})
         self._batchers: dict[int, StageBatches] = {}
         self.applied_stage = -1  # stages whose RoPE changes are in the live model
-        self.span, self.batcher, self.last = None, None, {}
+        self.span, self.batcher, self.last, self.bar = None, None, {}, None
 
     def _spike_handler(self) -> SpikeHandler:
         acc = self.accelerator
@@ -193,16 +199,19 @@ class Trainer:
     def steps(self):
         """The loop as a generator: set up (or resume), then yield the step number after every optimizer step, with
         its logging, evaluation and checkpointing done. `train()` drains it; benchmarks interleave it."""
-        self._start()
-        while self.state.step < self.total_steps:
-            self._enter_stage()
-            outcome = self._one_step()
-            if isinstance(decision := self._decide(outcome), Ok):
-                self._periodic(outcome)
-                yield self.state.step
-            else:
-                self._act(decision)
-        self.bar.close()
+        try:
+            self._start()
+            while self.state.step < self.total_steps:
+                self._enter_stage()
+                outcome = self._one_step()
+                if isinstance(decision := self._decide(outcome), Ok):
+                    self._periodic(outcome)
+                    yield self.state.step
+                else:
+                    self._act(decision)
+        finally:  # however the loop ends, the bar ends its line: an `error:` after it starts a line of its own
+            if self.bar is not None:
+                self.bar.close()
         self.ckpt.finish()
 
     def _start(self) -> None:
@@ -232,7 +241,7 @@ class Trainer:
         if recipe.eval.every_steps and restored is None:
             # The baseline at initialisation: every later validation loss is read against it.
             first = self.spans[0]
-            vals = {**self.evaluate(first.seq_len, first.micro_batch_size), **self.downstream(0)}
+            vals = self.evals.baseline(first)
             self.log.metrics(0, {"tokens": 0, "stage": first.name, **vals})
         if self.preempt.check(acc, log_step=True):  # stopped before training began: the last checkpoint stands
             raise Preempted("preempted before the first step; nothing new to save; continue with --resume auto")
@@ -260,6 +269,8 @@ class Trainer:
                 self.spikes.start_grace(st.step)
             if self.skip:
                 self.skip.start_stage()
+            if self.average:
+                self.average.start_stage(st.step, st.tokens)
         self.log.event(
             ev.STAGE_START,
             st.step,
@@ -357,6 +368,8 @@ class Trainer:
         """After a step: log, evaluate, checkpoint, and stop cleanly on preemption."""
         st, span, acc = self.state, self.span, self.accelerator
         self.bar.update(1)
+        if self.average is not None and outcome.skipped is None:  # before an eval at this step reads it
+            self.average.after_step(st.step, st.tokens)
         log_now = st.step % self.recipe.logging.every_steps == 0 or st.step == self.total_steps
         reason = self.save_clock.due(self.tokens_before, st.tokens, st.step == span.end_step, log_now)
         if self.preempt.check(acc, log_now):
@@ -374,7 +387,6 @@ class Trainer:
             self.window.reset_clock()
         if reason == "preempt":
             self.ckpt.finish()
-            self.bar.close()
             raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
 
     def save_checkpoint(self, reason: str) -> None:
@@ -424,24 +436,14 @@ class Trainer:
             self.log.side("layers.jsonl", {"step": st.step, **layer_vectors})
         return record
 
-    def _eval(self, context: bool) -> None:  # held-out losses (+ loss by position) and downstream scores
-        st, span = self.state, self.span
-        vals = {**self.evaluate(span.seq_len, span.micro_batch_size, context), **self.downstream(st.step)}
-        forecast = None
-        if self.forecaster is not None and ev.VAL_REF in vals:  # the loss curve's law, refitted on val/ref
-            self.forecaster.observe(st.step, vals[ev.VAL_REF])
-            if (forecast := self.forecaster.forecast()) is not None:
-                vals.update(forecast[0])
-        self.log.metrics(st.step, {"tokens": st.tokens, "stage": span.name, **vals})
-        if forecast is not None:
-            self.log.event(ev.FORECAST, st.step, **forecast[1])
-        if self.evaluate.context is not None:
-            self.log.event(ev.CONTEXT, st.step, **self.evaluate.context)
-        self.last.update(vals)
-        if self.health is not None:  # the same verdict as check_run.py, on what is logged so far
-            verdict, reasons = self.health.verdict()
-            self.log.event(ev.HEALTH, st.step, verdict=verdict, reasons=reasons)
+    def _eval(self, context: bool) -> None:  # held-out losses, merged weights, downstream, forecast, verdict
+        st = self.state
+        self.last.update(self.evals(st.step, st.tokens, self.span, context))
         self.window.reset_clock()  # eval time is not training throughput
 
-    def save_final(self) -> Path:  # `final/`: save_pretrained model + tokenizer
-        return save_final(self.accelerator, self.model, self.tokenizer, self.output_dir / "final")
+    def save_final(self) -> Path:
+        """`final/` (save_pretrained model + tokenizer) and, with averaging, `merged/` beside it."""
+        acc, out = self.accelerator, self.output_dir
+        if self.average is not None:
+            self.average.with_merged(lambda: save_final(acc, self.model, self.tokenizer, out / "merged"))
+        return save_final(acc, self.model, self.tokenizer, out / "final")
