@@ -406,3 +406,23 @@ def test_overwrite_leaves_nothing_of_the_old_run_a_later_command_could_read(tmp_
     rundir.clear_old_run()
     rundir.release()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["keep_me"]  # .lock stays
+
+
+@pytest.mark.parametrize(
+    "sets,expect",
+    [
+        (["stages.0.mixture={stdlib: .nan}"], "stages.0: mixture weights must be finite"),
+        (["stages.0.mixture={stdlib: .inf}"], "stages.0: mixture weights must be finite"),
+        (
+            ["model.config={model_type: gpt2, n_embd: 32, n_layer: 1, n_head: 2, n_positions: 32}"],
+            "model.config.max_position_embeddings: a gpt2 model learns 32 positions",
+        ),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_field(micro_recipe, sets, expect):
+    """NaN/inf mixture weights and a learned-position model shorter than a stage were a silent run and a traceback."""
+    from pretrainer.recipe.loading import load_recipe
+
+    with pytest.raises(RecipeError) as e:
+        load_recipe(micro_recipe, sets)
+    assert expect in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)

@@ -217,15 +217,27 @@ class StageRope:
         return dict(self.model.config.rope_parameters or {})
 
 
-def check_model_config(section: ModelSection, vocab_size: int | None) -> None:
-    """Build the declared model on the meta device (no memory, no download): a wrongly typed `model.config` field
-    fails here, as one line, before any data or tokenizer work.
+LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt"})
+"""Model types with a learned position table: a sequence longer than the table indexes past its end."""
+
+
+def check_model_config(section: ModelSection, vocab_size: int | None, longest_seq: int = 0) -> None:
+    """Build the declared model on the meta device (no memory, no download): a wrongly typed `model.config` field,
+    or a stage longer than a learned position table, fails here, as one line, before any data or tokenizer work.
 
     Raises:
         RecipeError: naming `model.config` and what transformers said.
     """
     try:
-        build_model(section, build_config(section, vocab_size=vocab_size), meta=True)
+        config = build_config(section, vocab_size=vocab_size)
+        positions = getattr(config, "max_position_embeddings", None)
+        if config.model_type in LEARNED_POSITIONS and positions is not None and longest_seq > positions:
+            raise RecipeError(
+                f"model.config: a {config.model_type} model learns {positions} positions (field "
+                f"'max_position_embeddings'; n_positions in gpt2), but a stage trains at seq_len {longest_seq}: raise "
+                f"it to {longest_seq} or more"
+            )
+        build_model(section, config, meta=True)
     except RecipeError:
         raise
     except Exception as e:  # whatever transformers or torch raise on a field's value, it is the recipe's field

@@ -243,7 +243,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except ValidationError as e:
         raise RecipeError(_format_errors(e, prov, str(path))) from None
     try:  # the free-form model.config, as transformers reads it (meta device: no memory, no download)
-        check_model_config(recipe.model, recipe.tokenizer.train.vocab_size if recipe.tokenizer.train else None)
+        vocab = recipe.tokenizer.train.vocab_size if recipe.tokenizer.train else None
+        check_model_config(recipe.model, vocab, max(s.seq_len for s in recipe.stages))
     except RecipeError as e:
         field = re.search(r"[Ff]ield '(\w+)'", str(e))
         loc = ("model", "config", field.group(1)) if field else ("model", "config")

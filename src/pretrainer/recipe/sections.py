@@ -5,6 +5,7 @@ Each component receives only its own section. Field docstrings are the reference
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -261,8 +262,8 @@ class StageSection(Section):
             raise ValueError("set exactly one of `steps` or `tokens`")
         if not self.mixture:
             raise ValueError("`mixture` needs at least one source")
-        if any(w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0:
-            raise ValueError("mixture weights must be >= 0 and not all zero")
+        if any(not math.isfinite(w) or w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0:
+            raise ValueError("mixture weights must be finite, >= 0 and not all zero")
         return self
 
 
