@@ -426,3 +426,25 @@ def test_bad_values_are_one_line_naming_the_field(micro_recipe, sets, expect):
     with pytest.raises(RecipeError) as e:
         load_recipe(micro_recipe, sets)
     assert expect in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_a_remote_that_never_takes_a_copy_is_said_on_the_console_and_in_check_run(tmp_path, cache_dir, capsys):
+    """Every upload fails (the remote path runs through a regular file): the run goes on (local checkpoints stand),
+    the console says so once (rate-limited, above the progress bar), and check_run's verdict line names it."""
+    import check_run
+    import run_recipe
+
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    out = tmp_path / "run"
+    extra = ["--set", f"checkpoint.remote=file://{blocker}/remote", "--set", "stages.0.steps=16"]  # 4 checkpoints
+    assert run_recipe.main(cli(out, cache_dir, *extra)) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.split("\n") if line.startswith("warning: remote copy of")]
+    assert len(warnings) == 1 and "the local checkpoints stand" in warnings[0], err[-2000:]
+    failed = sum(e["event"] == "remote_failed" for e in read_jsonl(out / "events.jsonl"))
+    assert failed >= 2  # (one may be passed over while another waits: remote_skip)
+    assert check_run.main([str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"remote copies failing: {failed} failed" in text.splitlines()[0]
+    assert f"remote copies: 0 uploaded, {failed} failed" in text

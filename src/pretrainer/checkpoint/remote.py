@@ -10,8 +10,12 @@ removed by retention. A fetched checkpoint is verified (sizes and hashes) before
 from __future__ import annotations
 
 import json
+import sys
 import threading
+import time
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from ..observe import events as ev
 from . import format as ck
@@ -55,8 +59,24 @@ class Uploader:
         self.pending: Path | None = None
         self.busy = False
         self.errors: list[str] = []
+        self.failures, self.warned_at = 0, None
         self.thread = threading.Thread(target=self._loop, name="checkpoint-upload", daemon=True)
         self.thread.start()
+
+    WARN_EVERY_S = 600.0
+    """A failing remote is said on the console at its first failure, then at most once per this many seconds."""
+
+    def _warn(self, path: Path, error: str) -> None:
+        self.failures += 1
+        now = time.monotonic()
+        if self.warned_at is not None and now - self.warned_at < self.WARN_EVERY_S:
+            return
+        self.warned_at = now
+        tqdm.write(  # above an open progress bar, after a newline: a line of its own in a log file too
+            f"\nwarning: remote copy of {path.name} to {self.url} failed ({self.failures} so far; the local "
+            f"checkpoints stand): {error.splitlines()[0][:300]}",
+            file=sys.stderr,
+        )
 
     def submit(self, path: Path) -> None:
         with self.cv:
@@ -81,7 +101,9 @@ class Uploader:
                 for gone in prune_remote(self.url, self.section):
                     self.log.event(ev.REMOTE_PRUNE, 0, path=gone)
             except Exception as e:  # a failed upload must not kill the run; the local checkpoint stands
-                self.log.event(ev.REMOTE_FAILED, 0, path=str(path), error=f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                self.log.event(ev.REMOTE_FAILED, 0, path=str(path), error=error)
+                self._warn(path, error)
             finally:
                 with self.cv:
                     self.busy = False

@@ -244,7 +244,11 @@ def report(
     grace_at = [warmup] + [e["step"] for e in events if e["event"] == ev.STAGE_START and e["step"] > 0]
     episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_at)
     v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes)
+    if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
+        reasons = [*reasons, f"remote copies failing: {remote['failed']} failed, last: {remote['last_error']}"]
     out: dict[str, Any] = {"dir": str(run["dir"]), "verdict": v, "reasons": reasons, "finished": finished}
+    if remote is not None:
+        out["remote"] = remote
     train = run["train"]
     if train:
         out["step"], out["tokens"] = train[-1]["step"], train[-1].get("tokens")
@@ -277,6 +281,20 @@ def report(
     if downstream := _downstream(run):
         out["downstream"] = downstream
     return out
+
+
+def _remote(events: list[dict]) -> dict | None:
+    """Remote copies: uploaded and failed counts, and whether the latest attempt failed (None: no remote)."""
+    tries = [e for e in events if e["event"] in (ev.REMOTE_UPLOAD, ev.REMOTE_FAILED)]
+    if not tries:
+        return None
+    failed = [e for e in tries if e["event"] == ev.REMOTE_FAILED]
+    return {
+        "uploaded": len(tries) - len(failed),
+        "failed": len(failed),
+        "failing": tries[-1]["event"] == ev.REMOTE_FAILED,
+        "last_error": failed[-1]["error"][:200] if failed else None,
+    }
 
 
 def ladder(events: list[dict]) -> dict[str, dict]:
@@ -341,6 +359,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"train/val gap: {g['first']:+.4f} -> {g['last']:+.4f} ({g['trend']})")
     inc = r["incidents"]
     lines.append(", ".join(f"{k}s: {v}" for k, v in inc.items()))
+    if rem := r.get("remote"):
+        lines.append(f"remote copies: {rem['uploaded']} uploaded, {rem['failed']} failed")
     if r["skips"]:
         lines.append(f"skipped sample ranges: {r['skips']}")
     if lad := r.get("ladder"):
