@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from pretrainer.cli import run_main, script_parser
+from pretrainer.train.launcher import record_exit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
         ).train()
         return 0
 
-    return run_main(run, debug=args.debug)
+    code = run_main(run, debug=args.debug)
+    record_exit(code)  # under scripts/launch.py: the wrapper exits with the ranks' code, not the launcher's
+    return code
 
 
 if __name__ == "__main__":

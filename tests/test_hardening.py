@@ -448,3 +448,35 @@ def test_a_remote_that_never_takes_a_copy_is_said_on_the_console_and_in_check_ru
     text = capsys.readouterr().out
     assert f"remote copies failing: {failed} failed" in text.splitlines()[0]
     assert f"remote copies: 0 uploaded, {failed} failed" in text
+
+
+@pytest.mark.parametrize(
+    "launcher_rc,codes,expect",
+    [(0, [0, 0], 0), (1, [75, 75], 75), (1, [75, 0], 75), (1, [2, 2], 2), (1, [75, 74], 74), (1, [], 1), (1, [0], 1)],
+)
+def test_the_job_exits_with_the_ranks_code(launcher_rc, codes, expect):
+    from pretrainer.train.launcher import combined
+
+    assert combined(launcher_rc, codes) == expect
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_preemption_exit_code_survives_accelerate_launch(tmp_path, cache_dir):
+    """SIGTERM to the documented wrapper around a real 2-process `accelerate launch`: the ranks save and exit 75,
+    torch elastic reports 1, the wrapper exits 75 (a job script requeues on it); the run resumes from the save."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "scripts/launch.py", "--config_file", "accelerate_configs/zero2.yaml"]
+    cmd += ["--num_processes", "2", "--mixed_precision", "no", "scripts/run_recipe.py", str(FIXTURES / "micro.yaml")]
+    cmd += ["--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}", "--set", "stages.0.steps=2000"]
+    cmd += ["--set", "precision.mixed=no", "--set", "eval.every_steps=0"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not any(m.get("step", 0) >= 10 for m in read_jsonl(out / "metrics.jsonl")):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 75, err[-3000:]
+    saved = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "checkpoint"]
+    assert saved and saved[-1]["reason"] == "preempt"

@@ -6,5 +6,7 @@
 - `recovery`, `spikes`: spike detection and the decision to roll back or skip data;
 - `resume`: what `--resume` restores, and whether the recipe may continue from it;
 - `state`: the run state and the protocol of every stateful part;
-- `gns`, `preemption`, `rundir`: the noise scale, SIGTERM handling, the run directory's lock.
+- `gns`, `preemption`, `rundir`: the noise scale, SIGTERM handling, the run directory's lock;
+- `launcher`: `accelerate launch` with the ranks' exit codes (scripts/launch.py);
+- `absorb`, `averaging`, `layers`, `evals`: skip-step, the merged weights, per-layer statistics, one eval round.
 """
