@@ -34,6 +34,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="resume even though the recipe differs from the checkpoint's (the differences are logged)",
     )
     p.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="resume even though a source's prepared data (its files' content, or the tokenizer) differs from the "
+        "checkpoint's (the differences are logged)",
+    )
+    p.add_argument(
         "--verify",
         choices=["fast", "deep"],
         default="fast",
@@ -74,6 +80,7 @@ def main(argv=None) -> int:
             args.overwrite,
             resume=resume,
             allow_recipe_change=allow,
+            allow_data_change=args.allow_data_change,
             deep_verify=args.verify == "deep",
         ).train()
         return 0

@@ -480,3 +480,27 @@ def test_preemption_exit_code_survives_accelerate_launch(tmp_path, cache_dir):
     assert proc.returncode == 75, err[-3000:]
     saved = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "checkpoint"]
     assert saved and saved[-1]["reason"] == "preempt"
+
+
+def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path, capsys):
+    """A source file edited between a checkpoint and the resume: the content keys in the checkpoint differ from the
+    prepared data's, so the resume is one line and exit 2 (the run would continue on other samples); with
+    `--allow-data-change` it continues and says so in the event log."""
+    import shutil
+    import sysconfig
+
+    src = tmp_path / "src"
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", src)
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    args = [*cli(out, cache), "--set", f"data.sources.stdlib={{type: files, include: ['{src}/*.py']}}"]
+    assert run_recipe.main(args) == 0
+    first = sorted((out / "checkpoints").glob("step_*"))[0]
+    assert json.loads((first / "meta.json").read_text())["data"]["stdlib"].startswith("stdlib-")
+    capsys.readouterr()
+    with open(src / "decoder.py", "a") as f:
+        f.write("\n# edited after the checkpoint\n")
+    assert run_recipe.main([*args, "--resume", str(first)]) == 2
+    assert "the data changed since this checkpoint" in one_line_error(capsys)
+    assert run_recipe.main([*args, "--resume", str(first), "--allow-data-change"]) == 0
+    changes = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "data_change"]
+    assert len(changes) == 1 and changes[0]["differences"][0].startswith("stdlib: stdlib-")

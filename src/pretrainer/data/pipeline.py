@@ -70,6 +70,8 @@ def split_texts(recipe: Recipe, name: str, validation: bool):
 class SourceData:
     train: SplitTokens
     val: SplitTokens
+    key: str = ""
+    """The prepared directory's name: the source's content key and the tokenizer's fingerprint (data identity)."""
 
 
 def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
@@ -91,7 +93,7 @@ def load_sources(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> dict[str
             manifest = prepare_source(
                 name, recipe.data.sources[name], tokenizer, base, recipe.data.validation_fraction
             )
-        out[name] = SourceData(SplitTokens(base, "train", manifest), SplitTokens(base, "val", manifest))
+        out[name] = SourceData(SplitTokens(base, "train", manifest), SplitTokens(base, "val", manifest), base.name)
     return out
 
 

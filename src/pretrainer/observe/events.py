@@ -39,6 +39,7 @@ RUN_END = _kind("run_end", ("tokens",), "the last step is done and final/ writte
 RESUME = _kind("resume", ("path", "tokens", "stage", "cursor", "skips"), "restored from a checkpoint", incident=True)
 RESUME_SKIP = _kind("resume_skip", ("path", "reason"), "a checkpoint --resume auto passed over, and why")
 RECIPE_CHANGE = _kind("recipe_change", ("differences",), "a resume accepted with --allow-recipe-change")
+DATA_CHANGE = _kind("data_change", ("differences",), "a resume accepted with --allow-data-change")
 STAGE_START = _kind(
     "stage_start",
     ("stage", "seq_len", "tokens", "rope", "mixture", "long_docs"),

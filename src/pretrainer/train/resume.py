@@ -25,6 +25,28 @@ def choose_checkpoint(store: CheckpointManager, spec: str, ledger: dict | None) 
     return path
 
 
+def check_data(path: Path, keys: dict[str, str], allow_change: bool, log) -> None:
+    """Refuse a checkpoint trained on other data than the sources hold now (a file edited, added or removed, or the
+    tokenizer changed: the content keys differ) unless allowed; sources only one side has are a recipe change,
+    judged by `check_compatible`. Checkpoints from before data keys were saved pass.
+
+    Raises:
+        PretrainerError: one line naming the sources, without `--allow-data-change`.
+    """
+    meta = read_meta(path)
+    saved = meta.get("data") or {}
+    diffs = [f"{n}: {saved[n]} -> {keys[n]}" for n in sorted(set(saved) & set(keys)) if saved[n] != keys[n]]
+    if not diffs:
+        return
+    if not allow_change:
+        raise PretrainerError(
+            f"--resume {path}: the data changed since this checkpoint (a source file edited, added or removed, or "
+            f"another tokenizer), so the run would continue on other samples; pass --allow-data-change to accept: "
+            + "; ".join(diffs)
+        )
+    log.event(ev.DATA_CHANGE, meta["step"], differences=diffs)
+
+
 def check_compatible(path: Path, recipe: dict, allow_change: bool, log, run_dir: Path, is_main: bool) -> None:
     """Refuse a checkpoint that the current recipe cannot continue, unless the change is allowed; an allowed change
     is logged and the checkpoint's recipe kept beside the run's as `recipe.step_N.yaml`.

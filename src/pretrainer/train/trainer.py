@@ -39,7 +39,7 @@ from .layers import layer_stats_for
 from .preemption import Preempted, PreemptFlag
 from .probe import OptimizerProbe
 from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
-from .resume import check_compatible, choose_checkpoint
+from .resume import check_compatible, check_data, choose_checkpoint
 from .rundir import RunDir
 from .saving import SaveClock
 from .state import Parts, RunState
@@ -56,12 +56,13 @@ class Trainer:
         overwrite: bool = False,
         resume: str = "none",
         allow_recipe_change: bool = False,
+        allow_data_change: bool = False,
         deep_verify: bool = False,
     ):
         self.recipe, self.plan, self.deep_verify = recipe, recipe.plan, deep_verify
         self.recipe_plain, self.recipe_hash = recipe_dict(recipe), recipe_hash(recipe)
         self.output_dir = Path(output_dir or recipe.output_dir)
-        self.resume_spec, self.allow_recipe_change = resume, allow_recipe_change
+        self.resume_spec, self.allow_changes = resume, (allow_recipe_change, allow_data_change)
         self.rundir = RunDir(self.output_dir, resume, overwrite)
         self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends the run with exit 75
         with self.rundir.released_after(always=False):
@@ -77,6 +78,7 @@ class Trainer:
             self.tokenizer = get_tokenizer(recipe)
             self.sources = load_sources(recipe, self.tokenizer)
         available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
+        self.data_keys = {n: s.key for n, s in self.sources.items()}  # data identity, in every checkpoint
         self.findings = lint(recipe, available, fp8_capable())  # once: printed at start, logged on a fresh run
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
@@ -346,8 +348,9 @@ class Trainer:
         if path is None:
             return None
         check_compatible(
-            path, self.recipe_plain, self.allow_recipe_change, self.log, self.output_dir, acc.is_main_process
+            path, self.recipe_plain, self.allow_changes[0], self.log, self.output_dir, acc.is_main_process
         )
+        check_data(path, self.data_keys, self.allow_changes[1], self.log)
         restored = self.ckpt.load(path)
         st = self.state
         st.load_state_dict(restored.meta)
@@ -380,8 +383,9 @@ class Trainer:
                 loss=f"{self.last['loss']:.3f}", lr=f"{self.lr:.2e}", tok_s=f"{self.last['tokens_per_s']:.0f}"
             )
         now, context = eval_due(self.recipe, st.step, span)
-        if now:
-            self._eval(context)
+        if now:  # held-out losses, merged weights, downstream, forecast, verdict
+            self.last.update(self.evals(st.step, st.tokens, span, context))
+            self.window.reset_clock()  # eval time is not training throughput
         if reason or st.step == self.total_steps:
             self.save_checkpoint(reason or "end")
             self.window.reset_clock()
@@ -399,6 +403,7 @@ class Trainer:
             "stage": self.spans[st.stage_index].name,
             "reason": reason,
             "recipe_hash": self.recipe_hash,
+            "data": self.data_keys,
             "recipe": self.recipe_plain,
         }
         self.ckpt.save(meta, protected=self.spikes.protected() if self.spikes else frozenset())
@@ -435,11 +440,6 @@ class Trainer:
         if layer_vectors is not None:
             self.log.side("layers.jsonl", {"step": st.step, **layer_vectors})
         return record
-
-    def _eval(self, context: bool) -> None:  # held-out losses, merged weights, downstream, forecast, verdict
-        st = self.state
-        self.last.update(self.evals(st.step, st.tokens, self.span, context))
-        self.window.reset_clock()  # eval time is not training throughput
 
     def save_final(self) -> Path:
         """`final/` (save_pretrained model + tokenizer) and, with averaging, `merged/` beside it."""
