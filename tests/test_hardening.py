@@ -504,3 +504,24 @@ def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path, capsys):
     assert run_recipe.main([*args, "--resume", str(first), "--allow-data-change"]) == 0
     changes = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "data_change"]
     assert len(changes) == 1 and changes[0]["differences"][0].startswith("stdlib: stdlib-")
+
+
+@pytest.mark.parametrize(
+    "files,expect",
+    [
+        ({}, "no config.json: not a model directory"),
+        ({"config.json": "{}"}, "config.json but no weights"),
+        ({"meta.json": '{"step": 3}'}, "does not verify: no manifest"),
+    ],
+)
+def test_offline_tools_on_an_empty_or_weightless_directory_are_one_line(tmp_path, capsys, files, expect):
+    import eval_checkpoint
+    import export_checkpoint
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert eval_checkpoint.main([str(tmp_path), "--tasks", "x"]) == 2
+    assert expect in one_line_error(capsys)
+    if "meta.json" in files or not files:  # export takes checkpoints only
+        assert export_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2
+        assert "does not verify" in one_line_error(capsys)

@@ -34,9 +34,24 @@ def loaded_model(path: str | Path, device: str = "cpu", dtype: str = "float32") 
         if (path / "meta.json").exists():  # one of our checkpoints
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-export-")))
             path = export_checkpoint(path, tmp / "model", dtype=dtype)
+        if problem := model_dir_problem(path):
+            raise PretrainerError(f"{path}: {problem}")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)
         yield model, tokenizer, path
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def model_dir_problem(path: Path) -> str | None:
+    """Why `path` is not a Hugging Face model directory (None when it is): one line instead of transformers'
+    traceback from deep inside `from_pretrained`."""
+    if not (path / "config.json").is_file():
+        return "no config.json: not a model directory (a run's final/ or merged/, an export, or a checkpoint)"
+    if not any((path / w).is_file() for w in WEIGHTS):
+        return f"config.json but no weights ({', '.join(WEIGHTS[::2])}): an unfinished export?"
+    return None
 
 
 def run_recipe_of(model_dir: Path) -> Path | None:
