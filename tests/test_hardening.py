@@ -525,3 +525,29 @@ def test_offline_tools_on_an_empty_or_weightless_directory_are_one_line(tmp_path
     if "meta.json" in files or not files:  # export takes checkpoints only
         assert export_checkpoint.main([str(tmp_path), str(tmp_path / "out")]) == 2
         assert "does not verify" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize(
+    "name,content,expect",
+    [
+        ("a.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "a.jsonl: line 2 is not UTF-8 (byte b'\\xe9'"),
+        ("b.txt", b"fine\nstill fine\nna\xefve\n", "b.txt: line 3 is not UTF-8"),
+        ("c.txt", b"text\x00\x01\x02", "c.txt: is binary (a NUL byte at offset 4)"),
+    ],
+)
+def test_non_utf8_and_binary_files_are_one_line_naming_file_and_line(tmp_path, capsys, name, content, expect):
+    """They used to train silently (decoded with replacement characters) or fail without naming the line."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(30):  # enough good documents around the bad one
+        (data / f"good{i}.{name.rsplit('.', 1)[1]}").write_text(
+            '{"text": "def f(): pass"}\n' if name.endswith("l") else "x = 1\n"
+        )
+    (data / name).write_bytes(content)
+    args = [
+        *cli(tmp_path / "o", tmp_path / "c"),
+        "--set",
+        f"data.sources.stdlib={{type: files, include: ['{data}/*']}}",
+    ]
+    assert run_recipe.main(args) == 2
+    assert expect in one_line_error(capsys)

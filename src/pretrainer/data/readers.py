@@ -105,17 +105,24 @@ def _checked_adapter(source: str):
     return adapter
 
 
+def not_utf8(data: bytes, e: UnicodeDecodeError) -> str:
+    """What is wrong with a line, for the error naming its file and line."""
+    return f"is not UTF-8 (byte {data[e.start : e.start + 1]!r} at offset {e.start}; Latin-1 or binary?): re-encode it"
+
+
 class StrictJsonlReader(BaseDiskReader):
     """One document per line; a line that is not JSON stops the read with its file and line number."""
 
     name = "jsonl (strict)"
 
     def read_file(self, filepath: str):
-        with self.data_folder.open(filepath, "rt", compression="infer") as f:
-            for li, line in enumerate(f):
+        with self.data_folder.open(filepath, "rb", compression="infer") as f:  # bytes: decoded per line, below
+            for li, raw in enumerate(f):
                 try:
-                    row = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    row = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{self.source}: {filepath}: line {li + 1} {not_utf8(raw, e)}") from None
+                except json.JSONDecodeError as e:
                     raise DataError(f"{self.source}: {filepath}: line {li + 1} is not JSON ({e})") from None
                 if not isinstance(row, dict):
                     raise DataError(f"{self.source}: {filepath}: line {li + 1} is {type(row).__name__}, not an object")
@@ -130,7 +137,14 @@ class WholeFileReader(BaseDiskReader):
 
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
+            data = f.read()
+        if b"\x00" in data:  # a binary file among the text: training on it would teach noise
+            raise DataError(f"{self.source}: {filepath}: is binary (a NUL byte at offset {data.index(0)}), not text")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise DataError(f"{self.source}: {filepath}: line {line} {not_utf8(data, e)}") from None
         if doc := self.get_document_from_dict({"text": text}, filepath, 0):
             yield doc
 
