@@ -551,3 +551,40 @@ def test_non_utf8_and_binary_files_are_one_line_naming_file_and_line(tmp_path, c
     ]
     assert run_recipe.main(args) == 2
     assert expect in one_line_error(capsys)
+
+
+def test_a_checkpoint_of_another_engine_is_one_line(tmp_path):
+    from accelerate.utils import DistributedType
+
+    from pretrainer.checkpoint.loading import check_backend
+    from pretrainer.errors import PretrainerError
+
+    class Acc:
+        distributed_type = DistributedType.DEEPSPEED
+
+    class Plain:
+        distributed_type = DistributedType.MULTI_CPU
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(PretrainerError, match="saved by one process or DDP, this launch runs DeepSpeed ZeRO"):
+        check_backend(Acc, tmp_path)
+    check_backend(Plain, tmp_path)  # the same engine: nothing to say
+    (tmp_path / "pytorch_model").mkdir()
+    with pytest.raises(PretrainerError, match="saved by DeepSpeed ZeRO, this launch runs one process or DDP"):
+        check_backend(Plain, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_one_process_checkpoint_under_a_zero2_launch_is_one_line_per_rank(saved, tmp_path, cache_dir):
+    """It was a traceback on one rank (`*_optim_states.pt` not found) and a quoted gloo error on the other."""
+    ckpt = sorted((saved / "checkpoints").glob("step_*"))[-1]
+    cmd = [sys.executable, "scripts/launch.py", "--config_file", "accelerate_configs/zero2.yaml", "--num_processes"]
+    cmd += ["2", "--mixed_precision", "no", "scripts/run_recipe.py", *cli(tmp_path / "z2", cache_dir)]
+    cmd += ["--set", "precision.mixed=no", "--resume", str(ckpt)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.split("\n") if x.startswith("error: ")]
+    assert len(lines) == 2 and all("saved by one process or DDP, this launch runs DeepSpeed ZeRO" in x for x in lines)
+    assert "optim_states" not in proc.stderr and "gloo" not in proc.stderr  # (torch elastic's own report remains)

@@ -24,9 +24,36 @@ from ..observe import events as ev
 DS_TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed's checkpoint
 
 
+BACKENDS = {"deepspeed": "DeepSpeed ZeRO", "fsdp": "FSDP (DCP shards)", "plain": "one process or DDP"}
+
+
+def saved_backend(path: Path) -> str:
+    """Which engine wrote a checkpoint, from its files: DeepSpeed's tag directory, DCP's shards, or Accelerate's."""
+    if (Path(path) / DS_TAG).is_dir():
+        return "deepspeed"
+    return "fsdp" if (Path(path) / "dcp").is_dir() else "plain"
+
+
+def running_backend(acc) -> str:
+    kind = acc.distributed_type
+    return {DistributedType.DEEPSPEED: "deepspeed", DistributedType.FSDP: "fsdp"}.get(kind, "plain")
+
+
+def check_backend(acc, path: Path) -> None:
+    """One line, on every rank alike, when the launch's engine cannot read the checkpoint's files (each engine
+    keeps its own optimizer layout; only the weights cross, through an export)."""
+    saved, now = saved_backend(path), running_backend(acc)
+    if saved != now:
+        raise PretrainerError(
+            f"--resume {path}: saved by {BACKENDS[saved]}, this launch runs {BACKENDS[now]}: resume it under the "
+            f"engine that saved it, or export its weights (export_checkpoint.py) and start a new run from them"
+        )
+
+
 def load_state(acc, model, optimizer, path: Path, meta: dict, dcp, log, universal_root: Path) -> None:
     """Args:
     universal_root: where DeepSpeed's universal conversions go (the run's `universal/`)."""
+    check_backend(acc, path)
     if dcp is not None:
         dcp.load(model, optimizer, path)
         return
