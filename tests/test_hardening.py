@@ -588,3 +588,16 @@ def test_a_one_process_checkpoint_under_a_zero2_launch_is_one_line_per_rank(save
     lines = [x for x in proc.stderr.split("\n") if x.startswith("error: ")]
     assert len(lines) == 2 and all("saved by one process or DDP, this launch runs DeepSpeed ZeRO" in x for x in lines)
     assert "optim_states" not in proc.stderr and "gloo" not in proc.stderr  # (torch elastic's own report remains)
+
+
+def test_an_unusable_remote_is_one_line(tmp_path, cache_dir, capsys):
+    """An unknown protocol (or s3:// without s3fs) at start; on `--resume auto` with nothing local, a remote that
+    cannot be listed (a path through a regular file) stops the replaced node instead of starting from scratch."""
+    out = tmp_path / "run"
+    assert run_recipe.main(cli(out, cache_dir, "--set", "checkpoint.remote=nosuchproto://bucket/run")) == 2
+    assert "checkpoint.remote: nosuchproto://bucket/run: Protocol not known: nosuchproto" in one_line_error(capsys)
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    args = cli(tmp_path / "node2", cache_dir, "--set", f"checkpoint.remote=file://{blocker}/run", "--resume", "auto")
+    assert run_recipe.main(args) == 2
+    assert "--resume auto: checkpoint.remote file://" in one_line_error(capsys)

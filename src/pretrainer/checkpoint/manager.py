@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 
 from ..errors import PretrainerError, first_line
 from ..observe import events as ev
@@ -27,7 +27,7 @@ from . import format as ck
 from .commit import Group
 from .dcp import DcpCheckpointer
 from .loading import load_state
-from .remote import Uploader, fetch_newest
+from .remote import Uploader, check_remote, fetch_newest
 from .safe_load import weights_only
 from .writer import BackgroundWriter, Snapshot
 
@@ -92,6 +92,8 @@ class CheckpointManager:
         self.async_ok = section.async_ and kind not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.dcp = DcpCheckpointer() if kind == DistributedType.FSDP else None
         """FSDP saves and loads through DCP: sharded, asynchronous when asked, resharded on load."""
+        if section.remote:
+            check_remote(section.remote)  # every rank: a protocol nobody can write is one line at start
         self.remote = Uploader(section, log) if section.remote and accelerator.is_main_process else None
         """The background copy of each verified checkpoint to `checkpoint.remote` (main process)."""
 
@@ -316,7 +318,16 @@ class CheckpointManager:
 
     def _from_remote(self) -> ck.Candidate | None:
         """A replaced node: the newest remote checkpoint that verifies, copied into the local directory."""
-        got = fetch_newest(self.section.remote, self.root, self.log) if self.acc.is_main_process else None
+        got, error = None, None
+        if self.acc.is_main_process:
+            try:
+                got = fetch_newest(self.section.remote, self.root, self.log)
+            except PretrainerError as e:
+                error = str(e)
+        if self.acc.num_processes > 1:  # the main process's verdict on every rank, so all stop alike
+            error = broadcast_object_list([error])[0]
+        if error:
+            raise PretrainerError(error)
         self.acc.wait_for_everyone()
         cand, _ = ck.newest_valid(self.root, check=self.verify)
         if cand is not None and self.acc.is_main_process:

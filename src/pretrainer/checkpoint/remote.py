@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..errors import PretrainerError, first_line
 from ..observe import events as ev
 from . import format as ck
 
@@ -24,8 +25,16 @@ from . import format as ck
 def _fs(url: str):
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # an unknown protocol, or its package (s3fs, gcsfs) not installed
+        raise PretrainerError(f"checkpoint.remote: {url}: {first_line(e)}") from None
     return fs, root.rstrip("/")
+
+
+def check_remote(url: str) -> None:
+    """A remote whose protocol is unknown, or whose package is missing, is a recipe error (one line, at start)."""
+    _fs(url)
 
 
 def _remote_candidates(fs, root: str) -> tuple[list[ck.Candidate], list[str]]:
@@ -143,9 +152,15 @@ def _step(d: str) -> int | None:
 
 
 def fetch_newest(url: str, root: Path, log) -> str | None:
-    """Copy the newest remote checkpoint that verifies into `root` (atomically, as a save would); its name, or None."""
+    """Copy the newest remote checkpoint that verifies into `root` (atomically, as a save would); its name, or None.
+
+    Raises:
+        PretrainerError: the remote cannot be read (a replaced node must not start from scratch unknowingly)."""
     fs, rroot = _fs(url)
-    cands, _ = _remote_candidates(fs, rroot)
+    try:
+        cands, _ = _remote_candidates(fs, rroot)
+    except OSError as e:
+        raise PretrainerError(f"--resume auto: checkpoint.remote {url} cannot be listed: {first_line(e)}") from None
     for c in reversed(cands):
         name, src = c.path.name, f"{rroot}/{c.path.name}"
         tmp = Path(root) / f"{ck.TMP_PREFIX}{name}"
