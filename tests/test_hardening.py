@@ -601,3 +601,23 @@ def test_an_unusable_remote_is_one_line(tmp_path, cache_dir, capsys):
     args = cli(tmp_path / "node2", cache_dir, "--set", f"checkpoint.remote=file://{blocker}/run", "--resume", "auto")
     assert run_recipe.main(args) == 2
     assert "--resume auto: checkpoint.remote file://" in one_line_error(capsys)
+
+
+@pytest.mark.slow
+def test_a_sweep_started_at_once_on_one_cache_prepares_once(tmp_path):
+    """Three runs on one fresh `data.cache_dir`, started together: one trains the tokenizer and tokenizes, the others
+    wait for it (one lock, released by the OS), then read what it wrote; all three train."""
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "scripts/run_recipe.py", str(FIXTURES / "micro.yaml"), "--set", f"data.cache_dir={cache}"]
+    cmd += ["--set", "stages.0.steps=4", "--set", "eval.every_steps=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--output-dir", str(tmp_path / f"r{i}")], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+        )
+        for i in range(3)
+    ]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for e in errs]
+    assert sum("waiting for another run" in e for e in errs) >= 1
+    assert len(list((cache / "tokens").glob("stdlib-*/manifest.json"))) == 1

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +76,30 @@ class SourceData:
     val: SplitTokens
     key: str = ""
     """The prepared directory's name: the source's content key and the tokenizer's fingerprint (data identity)."""
+
+
+@contextlib.contextmanager
+def preparation_lock(cache_dir: str | Path, enabled: bool = True) -> Iterator[None]:
+    """One preparer per `data.cache_dir` at a time (an exclusive lock on `.prepare.lock` there, released by the OS if
+    the process dies): runs of a sweep started together wait for the first to train the tokenizer and tokenize,
+    then read what it wrote, instead of writing the same files at once or reading them half-written."""
+    if not enabled:
+        yield
+        return
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(cache_dir) / ".prepare.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            print(f"data: waiting for another run (pid {holder}) preparing data in {cache_dir}", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:

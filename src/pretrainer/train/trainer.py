@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointManager, Restored
 from ..checkpoint.export import save_final
-from ..data.pipeline import StageBatches, get_tokenizer, load_sources
+from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
 from ..evaluation.validation import eval_due, sample_losses
 from ..faults import kill_point
 from ..model.build import flops_per_token
@@ -74,7 +74,7 @@ class Trainer:
         self.grad_accum = self.plan.grad_accum(int(os.environ.get("WORLD_SIZE", "1")))
         self.accelerator = acc = make_accelerator(recipe, self.output_dir, self.grad_accum)
         quiet_known_noise()
-        with acc.main_process_first():
+        with acc.main_process_first(), preparation_lock(recipe.data.cache_dir, acc.is_main_process):
             self.tokenizer = get_tokenizer(recipe)
             self.sources = load_sources(recipe, self.tokenizer)
         available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
