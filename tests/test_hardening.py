@@ -621,3 +621,34 @@ def test_a_sweep_started_at_once_on_one_cache_prepares_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for e in errs]
     assert sum("waiting for another run" in e for e in errs) >= 1
     assert len(list((cache / "tokens").glob("stdlib-*/manifest.json"))) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "cut_index", "foreign_ids"])
+def test_damaged_token_files_are_one_line_at_start(tmp_path, capsys, damage):
+    """A truncated `.ds` was a traceback; a cut index and token ids beyond the vocabulary trained without a word."""
+    import shutil
+    import sysconfig
+
+    import numpy as np
+
+    src = tmp_path / "src"
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "json", src)
+    cache = tmp_path / "cache"
+    source = f"data.sources.stdlib={{type: files, include: ['{src}/*.py']}}"
+    assert run_recipe.main([*cli(tmp_path / "a", cache), "--set", source]) == 0
+    capsys.readouterr()
+    ds = max((cache / "tokens").glob("stdlib-*/files/*/train.ds"), key=lambda p: p.stat().st_size)
+    if damage == "truncated":
+        ds.write_bytes(ds.read_bytes()[:-1])
+        expect = f"{ds}: "
+    elif damage == "cut_index":
+        index = Path(f"{ds}.index")
+        index.write_bytes(index.read_bytes()[:-8])
+        expect = f"{index}: "
+    else:
+        ids = np.fromfile(ds, dtype=np.uint16)
+        ids[len(ids) // 2 :] = 60000  # the second half of the largest file: a foreign tokenizer's ids
+        ids.tofile(ds)
+        expect = "token id 60000 near token"
+    assert run_recipe.main([*cli(tmp_path / "b", cache), "--set", source]) == 2
+    assert expect in one_line_error(capsys)

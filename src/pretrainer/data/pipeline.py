@@ -122,7 +122,29 @@ def load_sources(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> dict[str
                 name, recipe.data.sources[name], tokenizer, base, recipe.data.validation_fraction
             )
         out[name] = SourceData(SplitTokens(base, "train", manifest), SplitTokens(base, "val", manifest), base.name)
+        for split in (out[name].train, out[name].val):
+            check_token_ids(split, len(tokenizer), base)
     return out
+
+
+ID_SAMPLES = 64
+"""Windows of 1,024 tokens read per split at start to check token ids against the vocabulary (evenly spaced, the
+first and last included): 64K tokens, milliseconds, whatever the source's size."""
+
+
+def check_token_ids(split: SplitTokens, vocab: int, source_dir: Path) -> None:
+    """Token ids beyond the tokenizer's vocabulary (a corrupted or foreign token file) are one line at start; an
+    embedding lookup would otherwise fail mid-run, or on some backends read garbage."""
+    n = len(split.tokens)
+    if n == 0:
+        return
+    for start in np.linspace(0, max(0, n - 1024), ID_SAMPLES).astype(np.int64):
+        window = split.tokens[int(start) : int(start) + 1024]
+        if window.size and int(window.max()) >= vocab:
+            raise DataError(
+                f"{source_dir}: token id {int(window.max())} near token {int(start)} is beyond the tokenizer's "
+                f"{vocab} ids: a corrupted or foreign token file; prepare it again"
+            )
 
 
 def prepared_tokens(recipe: Recipe) -> dict[str, int]:

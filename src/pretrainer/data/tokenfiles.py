@@ -47,6 +47,23 @@ class TokenFiles:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
+def check_sizes(paths: list[Path], split: str, manifest: dict) -> None:
+    """Each token file and its document index against the manifest's per-file counts (a stat per file: no read), so
+    a truncated or replaced file is one line naming it, not a traceback in the middle of training."""
+    per_file, itemsize = manifest.get("per_file"), np.dtype(manifest["dtype"]).itemsize
+    for i, p in enumerate(paths):
+        want = per_file[i][f"{split}_tokens"] * itemsize if per_file else None
+        size = p.stat().st_size
+        if size % itemsize or (want is not None and size != want):
+            raise DataError(f"{p}: {size} bytes, the manifest says {want}: truncated or replaced; prepare it again")
+        index = Path(f"{p}.index")
+        docs = per_file[i][f"{split}_docs"] if per_file else None
+        if docs is not None and index.exists() and index.stat().st_size != 8 * docs:
+            raise DataError(
+                f"{index}: {index.stat().st_size} bytes for {docs} documents (8 each): cut or replaced; prepare it again"
+            )
+
+
 class SplitTokens:
     """One split (train or val) of a prepared source: the interface of `tokens.TokenArrays`, backed by files."""
 
@@ -56,6 +73,7 @@ class SplitTokens:
         missing = [p for p in self.token_paths if not p.exists()]
         if missing:
             raise DataError(f"{source_dir}: prepared data is incomplete ({missing[0]} is missing); prepare it again")
+        check_sizes(self.token_paths, split, manifest)
         self.tokens = TokenFiles(self.token_paths, np.dtype(manifest["dtype"]))
         self.n_docs = int(manifest[f"{split}_docs"])
         if len(self.tokens) != manifest[f"{split}_tokens"]:
