@@ -398,11 +398,12 @@ def test_overwrite_leaves_nothing_of_the_old_run_a_later_command_could_read(tmp_
     new run would otherwise reuse a conversion of the old run's step of the same number."""
     from pretrainer.train.rundir import RunDir
 
-    for name in ("checkpoints/step_00000008", "final", "merged", "universal/step_00000008", "keep_me"):
+    old = ("checkpoints/step_00000008", "final", "merged", "universal/step_00000008", "wandb/offline-run-1", "tb")
+    for name in (*old, "keep_me"):
         (tmp_path / name).mkdir(parents=True)
     for name in ("metrics.jsonl", "events.jsonl", "layers.jsonl"):
         (tmp_path / name).write_text("{}\n")
-    rundir = RunDir(tmp_path, "none", overwrite=True)
+    rundir = RunDir(tmp_path, "none", overwrite=True, old_dirs=("tb", "..", "a/b"))
     rundir.clear_old_run()
     rundir.release()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["keep_me"]  # .lock stays

@@ -13,16 +13,22 @@ from ..errors import PretrainerError
 
 LOCK = ".lock"
 OLD_RUN = ("metrics.jsonl", "events.jsonl", "wandb_id", "skip_ledger.json", "recipe.resolved.yaml", "layers.jsonl")
-OLD_RUN_DIRS = ("checkpoints", "final", "merged", "universal")
+OLD_RUN_DIRS = ("checkpoints", "final", "merged", "universal", "wandb")
 """What `--overwrite` removes: nothing of the old run that a later command could read as the new run's (its exported
-models, and DeepSpeed's universal conversions of its checkpoints, which a resume would otherwise reuse)."""
+models, DeepSpeed's universal conversions of its checkpoints, which a resume would otherwise reuse, and its W&B
+offline files, which `wandb sync OUTPUT_DIR/wandb/offline-run-*` would upload beside the new run's)."""
 
 
 class RunDir:
     """Holds the run directory's lock (main process) for the life of the process; the OS releases it when the
     process ends, however it ends, so a lock is never stale."""
 
-    def __init__(self, output_dir: Path, resume: str, overwrite: bool, is_main: bool | None = None):
+    def __init__(
+        self, output_dir: Path, resume: str, overwrite: bool, is_main: bool | None = None, old_dirs: tuple = ()
+    ):
+        """Args:
+        old_dirs: more directories of the old run that `--overwrite` removes (the TensorBoard directory)."""
+        self.old_dirs = OLD_RUN_DIRS + tuple(old_dirs)
         self.path = Path(output_dir)
         self.is_main = int(os.environ.get("RANK", "0")) == 0 if is_main is None else is_main
         self.path.mkdir(parents=True, exist_ok=True)
@@ -73,6 +79,8 @@ class RunDir:
             return
         for name in OLD_RUN:
             (self.path / name).unlink(missing_ok=True)
-        for name in OLD_RUN_DIRS:
+        for name in self.old_dirs:
+            if not name or "/" in name or name in (".", ".."):  # a project name is a plain name or nothing of ours
+                continue
             shutil.rmtree(self.path / name, ignore_errors=True)
         self.stale = False

@@ -63,7 +63,7 @@ class Trainer:
         self.recipe_plain, self.recipe_hash = recipe_dict(recipe), recipe_hash(recipe)
         self.output_dir = Path(output_dir or recipe.output_dir)
         self.resume_spec, self.allow_changes = resume, (allow_recipe_change, allow_data_change)
-        self.rundir = RunDir(self.output_dir, resume, overwrite)
+        self.rundir = RunDir(self.output_dir, resume, overwrite, old_dirs=(recipe.logging.project,))
         self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends the run with exit 75
         with self.rundir.released_after(always=False):
             self._setup()
