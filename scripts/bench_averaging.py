@@ -42,28 +42,17 @@ CONFIGS = {
 }
 
 
-SIZES = ((128, 4), (256, 8), (512, 16))
-
-
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def cost(calls: int = 20) -> list[dict]:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from bench_stability import SIZES, model_of  # the same three Llamas as the stability costs
 
     rows = []
     for hidden, layers in SIZES:
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=4096,
-            hidden_size=hidden,
-            intermediate_size=4 * hidden,
-            num_hidden_layers=layers,
-            num_attention_heads=max(2, hidden // 64),
-        )
-        model = LlamaForCausalLM(cfg)
+        model = model_of(hidden, layers)
         n = sum(p.numel() for p in model.parameters())
         for method in ("ema", "window"):
             before = rss_bytes()

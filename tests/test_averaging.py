@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,11 @@ def merged_of(avg: WeightAverage, model) -> list[torch.Tensor]:
     with avg.swapped() as ready:
         assert ready
         return [p.detach().clone() for p in model.parameters()]
+
+
+def export_merged(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "scripts/export_checkpoint.py", str(ckpt), str(out), "--merged"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
 def test_ema_is_the_closed_form_with_a_relative_half_life():
@@ -138,13 +144,7 @@ def test_merged_weights_are_evaluated_exported_and_loadable(ema_run, tmp_path):
     final = AutoModelForCausalLM.from_pretrained(ema_run / "final")
     assert not torch.equal(model.model.norm.weight, final.model.norm.weight)
     last = sorted((ema_run / "checkpoints").glob("step_*"))[-1]
-    proc = subprocess.run(
-        [sys.executable, "scripts/export_checkpoint.py", str(last), str(tmp_path / "x"), "--merged"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = export_merged(last, tmp_path / "x")
     assert proc.returncode == 0, proc.stderr[-2000:]
     a, b = (
         load_file(str(tmp_path / "x" / "model.safetensors")),
@@ -152,13 +152,7 @@ def test_merged_weights_are_evaluated_exported_and_loadable(ema_run, tmp_path):
     )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     first = sorted((ema_run / "checkpoints").glob("step_*"))[0]  # step 8: before averaging began
-    proc = subprocess.run(
-        [sys.executable, "scripts/export_checkpoint.py", str(first), str(tmp_path / "y"), "--merged"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = export_merged(first, tmp_path / "y")
     assert proc.returncode == 2 and "no averaged weights" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -210,13 +204,7 @@ def test_zero3_two_processes_average_as_one_process_does(tmp_path, cache_dir):
     assert merged[0].keys() == merged[1].keys() == {15, 30}
     assert abs(merged[0][15] - merged[1][15]) < 1e-3  # before the runs' known drift (after ~step 25)
     assert all(abs(merged[0][s] - merged[1][s]) <= abs(live[0][s] - live[1][s]) + 1e-3 for s in (15, 30))
-    proc = subprocess.run(
-        [sys.executable, "scripts/export_checkpoint.py", str(last), str(tmp_path / "x"), "--merged"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = export_merged(last, tmp_path / "x")
     assert proc.returncode == 0, proc.stderr[-2000:]
     exported = load_file(str(tmp_path / "x" / "model.safetensors"))
     assert all(torch.allclose(exported[k], two[k], atol=1e-6) for k in two)
