@@ -36,15 +36,16 @@ def main(argv=None) -> int:
         from pathlib import Path
 
         from pretrainer.errors import PretrainerError
-        from pretrainer.observe.health import format_report, report
+        from pretrainer.observe.health import format_report, load_run, report
         from pretrainer.observe.outlook import forecast_report, merged_report
 
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
-        r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep")
-        if (fc := forecast_report(args.output_dir, args.target)) is not None:
+        run_data = load_run(args.output_dir)  # read once: a long run's metrics are ~100 MB of JSON
+        r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep", run=run_data)
+        if (fc := forecast_report(args.output_dir, args.target, run=run_data)) is not None:
             r["forecast"] = fc
-        if (mr := merged_report(args.output_dir)) is not None:
+        if (mr := merged_report(args.output_dir, run=run_data)) is not None:
             r["merged"] = mr
         if args.plot:
             from pretrainer.observe.plots import plot_run

@@ -112,7 +112,7 @@ def test_no_verdict_flip_from_noise(seed):
 def test_report_uses_the_live_rule_on_the_logged_curve():
     """check_run.py judges spikes as the live detector does: a 3-step rise of 5 noise sd that came back is a
     recovered spike even with no events; one that never came back is divergence."""
-    from pretrainer.train.spikes import spike_episodes
+    from pretrainer.train.spike_replay import spike_episodes
 
     losses = curve(n=600, seed=3)
     bumped = [(s, v + (0.25 if 400 <= s < 403 else 0.0)) for s, v in losses]  # noise sd is 0.05
@@ -125,3 +125,49 @@ def test_report_uses_the_live_rule_on_the_logged_curve():
     episodes = spike_episodes(stuck, grace_at=[20])
     v, reasons = verdict(stuck, [], [], True, 0, episodes=episodes)
     assert v == "diverging" and "since a spike at step 400" in reasons[0]
+
+
+def rough_curve(n, seed):
+    """A per-step training curve with what the replay must get right: noise with heavy outliers (dropped from the
+    window), short spikes that recover, a NaN, a stage start with a level shift, and a jump that never comes back."""
+    rng = np.random.default_rng(seed)
+    s = np.arange(1, n + 1)
+    y = 3 + 3 / np.sqrt(s) + 0.02 * rng.standard_normal(n) + 0.4 * (rng.random(n) < 0.003) * rng.standard_normal(n)
+    for at in rng.choice(np.arange(200, n // 2), 4, replace=False):
+        y[at : at + rng.integers(1, 6)] += rng.uniform(0.05, 0.3)
+    y[n // 3] = np.nan
+    y[n // 2 :] += 0.1  # a stage start (a grace period there) with a level shift
+    y[int(n * 0.9) :] += 2.0  # and a jump that stays: an episode that never recovers
+    return list(zip(s.tolist(), y.tolist()))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_fast_replay_decides_as_the_live_detector_step_by_step(seed):
+    """check_run's batched replay (tables of trend fits, whole stretches of `ok` steps at once) finds the same
+    episodes as feeding every step through the live SpikeDetector, and needs far fewer live fits."""
+    from pretrainer.train.spike_replay import spike_episodes, spike_episodes_stepwise
+
+    losses = rough_curve(6000, seed)
+    graces = [20, 3000]
+    fast, slow = spike_episodes(losses, graces), spike_episodes_stepwise(losses, graces)
+    assert [(e["onset"], e["detected"], e["recovered"]) for e in fast] == [
+        (e["onset"], e["detected"], e["recovered"]) for e in slow
+    ]
+    assert len(slow) >= 3 and slow[-1]["recovered"] is None  # the curve exercised recovery and divergence
+    assert any(e["recovered"] is not None for e in slow[:-1])
+    for a, b in zip(fast, slow):
+        assert a["bound"] == pytest.approx(b["bound"], rel=1e-9, nan_ok=True)
+
+
+def test_batched_trend_fit_is_the_live_fit():
+    from pretrainer.train.spike_replay import batched_trend_fit
+    from pretrainer.train.spikes import trend_fit
+
+    rng = np.random.default_rng(0)
+    steps = np.sort(rng.choice(np.arange(10_000), (64, 100)), axis=1).astype(float) + np.arange(100)  # rising
+    losses = 3 + 0.02 * rng.standard_normal((64, 100)) + 0.5 * (rng.random((64, 100)) < 0.02)
+    at = steps[:, -1] + 3
+    coef, _, sd = batched_trend_fit(steps, losses, at)
+    live = np.array([trend_fit(steps[i], losses[i], at[i]) for i in range(64)])
+    np.testing.assert_allclose(coef[:, 0], live[:, 0], rtol=1e-10)
+    np.testing.assert_allclose(sd, live[:, 1], rtol=1e-8)

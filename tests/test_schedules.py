@@ -67,3 +67,17 @@ def test_lr_controller_recomputes_on_load():
     c2 = LRController(opt, fn, peak=2.0)
     c2.load_state_dict(c.state_dict())
     assert c2.get_last_lr() == [pytest.approx(1.0)] and c2.step_count == 5
+
+
+@pytest.mark.parametrize(
+    "overrides", [[], ["schedule.type=cosine", "schedule.decay_stage=null", "schedule.min_lr_ratio=0.1"]]
+)
+def test_lr_array_is_lr_lambda_at_every_step(overrides):
+    """The vectorised schedule (forecasts over a million steps) is the trainer's own, step for step."""
+    import numpy as np
+
+    from pretrainer.recipe.schedules import lr_array, lr_lambda
+
+    recipe = load_recipe("recipes/tiny.yaml", overrides)
+    fn = lr_lambda(recipe)
+    np.testing.assert_array_equal(lr_array(recipe), [fn(i) for i in range(recipe.plan.total_steps)])

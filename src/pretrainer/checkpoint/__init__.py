@@ -16,6 +16,8 @@ resumed from. All state is read from `meta.json`, never parsed out of directory 
 - `manager`: triggers, save, prune, protection, resume and restore.
 """
 
+import importlib
+
 from .format import (
     MANIFEST,
     META,
@@ -33,8 +35,17 @@ from .format import (
     verify,
     write_manifest,
 )
-from .manager import CheckpointManager, Restored
-from .writer import BackgroundWriter, Snapshot
+
+_LAZY = {"CheckpointManager": "manager", "Restored": "manager", "BackgroundWriter": "writer", "Snapshot": "writer"}
+
+
+def __getattr__(name: str):
+    """The manager and the writer on first use (PEP 562): they import Accelerate and DeepSpeed, which reading a run
+    directory (check_run.py, verification) does not need."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MANIFEST",

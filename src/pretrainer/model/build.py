@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError, first_line
 from ..recipe.sections import ModelSection
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
+
+# torch and transformers are imported where a model is built, not at import: reading a recipe (check_run.py, the
+# resolved recipe of a run) must not pay seconds of imports for them.
+
 
 def build_config(section: ModelSection, vocab_size: int | None = None, **token_ids: int | None) -> PretrainedConfig:
     """The HF config from `model.config`, with the vocabulary sized to the tokenizer when one is given."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
     cfg: dict[str, Any] = dict(section.config)
     model_type = cfg.pop("model_type")
     if vocab_size is not None:
@@ -43,6 +49,9 @@ def build_model(section: ModelSection, config: PretrainedConfig, meta: bool = Fa
     Args:
         meta: build on the meta device (no memory; for counting parameters and FLOPs).
     """
+    import torch
+    from transformers import AutoModelForCausalLM
+
     kwargs = {"attn_implementation": section.attn_implementation, "trust_remote_code": section.trust_remote_code}
     try:
         if meta:
@@ -69,6 +78,8 @@ def scale_output_init(model: PreTrainedModel, std: float) -> int:
     """`stability.init: scaled`: re-draw each decoder layer's output-projection weights with std / sqrt(2 x layers)
     (GPT-2's and Megatron's depth-scaled init: the residual stream's variance then stays flat in depth). Returns how
     many weights were re-drawn; a model with none of the known projection names is refused."""
+    import torch
+
     layers = decoder_layers(model)
     scaled = std / math.sqrt(2 * max(1, len(layers)))
     weights = [
@@ -115,6 +126,8 @@ def compile_layers(model: PreTrainedModel) -> int:
 
 def apply_liger(model: PreTrainedModel) -> None:
     """liger-kernel's fused kernels for this model type, as the HF Trainer's `use_liger_kernel` applies them."""
+    import torch
+
     if not torch.cuda.is_available():
         raise RecipeError("model.kernels: liger needs an NVIDIA GPU (its kernels are Triton); this machine has none")
     try:

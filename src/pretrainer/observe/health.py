@@ -20,7 +20,7 @@ import yaml
 
 from .. import checkpoint as ck
 from ..evaluation.context import context_verdict
-from ..train.spikes import spike_episodes
+from ..train.spike_replay import spike_episodes
 from . import events as ev
 from .tracking import read_jsonl
 
@@ -39,8 +39,8 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     per_step: dict[int, float] = {}
-    for m in read_jsonl(d / "metrics.jsonl"):
-        if any(k.startswith("val/") for k in m):
+    for line, m in _rows(d / "metrics.jsonl"):
+        if '"val/' in line and any(k.startswith("val/") for k in m):  # the text test first: 1M rows
             evals[m["step"]] = m
         elif "loss" in m:
             train[m["step"]] = m
@@ -60,6 +60,18 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
         "recipe": recipe,
         "last_write": mtime,
     }
+
+
+def _rows(path: Path):
+    """(line, record) of a metrics file, streamed (a long run's file is ~100 MB); a torn line is skipped."""
+    if not path.exists():
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                yield line, json.loads(line)
+            except json.JSONDecodeError:
+                continue
 
 
 def val_of(m: dict) -> Any:
@@ -91,7 +103,7 @@ def verdict(
     """The verdict and the reasons for it (see the module docstring).
 
     Args:
-        episodes: spikes found by replaying the live rule over `losses` (`spikes.spike_episodes`); the live check
+        episodes: spikes found by replaying the live rule over `losses` (`spike_replay.spike_episodes`); the live check
             passes None, since the live detector's own spikes are in `events`.
     """
     if not losses:
@@ -231,11 +243,15 @@ def _gns_summary(run: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def report(
-    output_dir: str | Path, stall_minutes: float = 30.0, verify_checkpoint: bool = True, deep: bool = True
+    output_dir: str | Path,
+    stall_minutes: float = 30.0,
+    verify_checkpoint: bool = True,
+    deep: bool = True,
+    run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything check_run.py prints: verdict, per-stage summaries, train/val gap, incidents, throughput, latest
-    verified checkpoint, gradient noise scale."""
-    run = load_run(output_dir)
+    verified checkpoint, gradient noise scale. `run`: as `load_run` read it (read here when not given)."""
+    run = run or load_run(output_dir)
     events = run["events"]
     finished = any(e["event"] == ev.RUN_END for e in events)
     idle = time.time() - run["last_write"] if run["last_write"] else None
@@ -247,6 +263,7 @@ def report(
     if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
         reasons = [*reasons, f"remote copies failing: {remote['failed']} failed, last: {remote['last_error']}"]
     out: dict[str, Any] = {"dir": str(run["dir"]), "verdict": v, "reasons": reasons, "finished": finished}
+    out["replayed_spikes"] = [[e["onset"], e["detected"], e["recovered"]] for e in episodes]
     if remote is not None:
         out["remote"] = remote
     train = run["train"]

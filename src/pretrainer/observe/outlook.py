@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..recipe.loading import load_recipe
-from ..recipe.schedules import cosine, lr_lambda, wsd
+from ..recipe.schedules import cosine_array, lr_array, wsd_array
 from ..recipe.schema import Recipe
 from . import events as ev
 from .forecast import Curve, Fit, fit, off_track, predict
@@ -32,14 +32,21 @@ def usable(curve: Curve) -> int:
 
 def schedule_of(recipe: Recipe) -> np.ndarray:
     """The recipe's LR multiplier for each optimizer step 1..N (`[t-1]` is step t's)."""
-    fn = lr_lambda(recipe)
-    return np.array([fn(i) for i in range(recipe.plan.total_steps)])
+    return lr_array(recipe)
 
 
-def run_curve(run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None) -> Curve:
-    """A run's `val/ref` evals (step 0 left out: the law starts at the first update) under its recipe's schedule."""
-    run = load_run(run_dir)
-    recipe = recipe or load_recipe(Path(run_dir) / "recipe.resolved.yaml")
+def run_recipe(run_dir: str | Path) -> Recipe:
+    """The recipe a run resolved (its model config was checked when the run started: not rebuilt here)."""
+    return load_recipe(Path(run_dir) / "recipe.resolved.yaml", check_model=False)
+
+
+def run_curve(
+    run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None, run: dict | None = None
+) -> Curve:
+    """A run's `val/ref` evals (step 0 left out: the law starts at the first update) under its recipe's schedule.
+    `run`: the run as `health.load_run` read it (read here when not given)."""
+    run = run or load_run(run_dir)
+    recipe = recipe or run_recipe(run_dir)
     pts = [(m["step"], val_of(m)) for m in run["evals"] if m["step"] > 0 and val_of(m) is not None]
     if fit_until is not None:
         pts = [p for p in pts if p[0] <= fit_until]
@@ -72,7 +79,7 @@ def calibration_curve(path: str | Path, peak: float) -> Curve:
     if path.suffix == ".csv":
         return csv_curve(path, peak)
     curve = run_curve(path)
-    own_peak = load_recipe(path / "recipe.resolved.yaml").optimizer.lr
+    own_peak = run_recipe(path).optimizer.lr
     curve.lr = curve.lr * own_peak / peak
     return curve
 
@@ -85,13 +92,13 @@ def alternatives(recipe: Recipe, now: int) -> dict[str, np.ndarray]:
 
     def wsd_seq(steps: int, shape: str = "1-sqrt", start: int | None = None) -> np.ndarray:
         kw = dict(warmup_steps=w, total_steps=total, decay_steps=steps, decay_shape=shape, min_lr_ratio=floor)
-        return np.array([wsd(i, decay_start=start, **kw) for i in range(total)])
+        return wsd_array(np.arange(total), decay_start=start, **kw)
 
     out = {f"wsd {p}% 1-sqrt": wsd_seq(max(1, round(p / 100 * total))) for p in (10, 20, 30)}
     out.update({f"wsd 20% {shape}": wsd_seq(max(1, round(0.2 * total)), shape) for shape in ("linear", "cosine")})
     if w <= now < total - 1:
         out[f"decay from step {now}"] = wsd_seq(total - now, start=now)
-    out["cosine"] = np.array([cosine(i, warmup_steps=w, total_steps=total, min_lr_ratio=floor) for i in range(total)])
+    out["cosine"] = cosine_array(np.arange(total), warmup_steps=w, total_steps=total, min_lr_ratio=floor)
     return out
 
 
@@ -181,12 +188,12 @@ class Forecaster:
         self.points = [(int(s), float(v)) for s, v in state["points"]]
 
 
-def forecast_report(run_dir: str | Path, target: float | None = None) -> dict | None:
+def forecast_report(run_dir: str | Path, target: float | None = None, run: dict | None = None) -> dict | None:
     """The forecast part of `check_run.py`: verdict lines, the final forecast and the off-track evals (None when the
-    run has fewer than `MIN_POINTS` val/ref evals or no resolved recipe)."""
+    run has fewer than `MIN_POINTS` val/ref evals or no resolved recipe). `run`: as `health.load_run` read it."""
     if not (Path(run_dir) / "recipe.resolved.yaml").exists():
         return None
-    curve = run_curve(run_dir)
+    curve = run_curve(run_dir, run=run)
     if usable(curve) < MIN_POINTS:
         return None
     o = outlook(curve)
@@ -204,19 +211,22 @@ def decay_from(recipe: Recipe, now: int, steps: int) -> np.ndarray:
     s = recipe.schedule
     before = schedule_of(recipe)[:now]
     kw = dict(warmup_steps=0, total_steps=steps, decay_steps=steps, min_lr_ratio=s.min_lr_ratio, decay_start=0)
-    after = np.array([wsd(i, decay_shape=s.decay_shape, **kw) for i in range(steps)])
+    after = wsd_array(np.arange(steps), decay_shape=s.decay_shape, **kw)
     return np.concatenate([before, after * (before[-1] if now else 1.0)])
 
 
-def merged_report(run_dir: str | Path) -> dict | None:
+def merged_report(run_dir: str | Path, run: dict | None = None) -> dict | None:
     """What averaging gave, beside what a decay would: the last eval's `val/ref_merged` against the live `val/ref`,
     and the forecast of a decay of the recipe's own length started at that step (fitted on the evals up to it, with
     the recipe's calibration runs; stable-phase only without them), and each calibration run's measured final value.
-    None when the run logged no merged eval."""
+    None when the run logged no merged eval. `run`: as `health.load_run` read it."""
     run_dir = Path(run_dir)
-    recipe = load_recipe(run_dir / "recipe.resolved.yaml")
+    run = run or load_run(run_dir)
+    evals = run["evals"]
+    if not any(ev.VAL_REF_MERGED in m for m in evals):
+        return None
+    recipe = run_recipe(run_dir)
     start = recipe.plan.decay_start
-    evals = load_run(run_dir)["evals"]
     rows = [m for m in evals if ev.VAL_REF_MERGED in m]
     stable = [m for m in rows if start is None or m["step"] <= start]  # the question is asked before a decay
     if not rows:
@@ -226,7 +236,7 @@ def merged_report(run_dir: str | Path) -> dict | None:
     out = {"step": n, "merged": merged, "live": live}
     line = f"merged weights at step {n}: val/ref {merged:.4f} (live {live:.4f}, {merged - live:+.4f})"
     calibration = [calibration_curve(p, recipe.optimizer.lr) for p in recipe.eval.forecast.calibrate]
-    curve = run_curve(run_dir, recipe, fit_until=n)
+    curve = run_curve(run_dir, recipe, fit_until=n, run=run)
     length = recipe.plan.decay_steps or max(1, round(0.2 * n))
     if usable(curve) >= MIN_POINTS:
         f = fit([curve, *calibration])

@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
+import numpy as np
 
 from .schema import Recipe
 
@@ -59,7 +58,11 @@ def cosine(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: floa
 
 
 def _transformers_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
-    # transformers exposes the schedule only as a LambdaLR; take its lambda from a throwaway optimizer.
+    # transformers exposes the schedule only as a LambdaLR; take its lambda from a throwaway optimizer. Imported here:
+    # reading a recipe (check_run, inspect_recipe) should not pay for torch and transformers.
+    import torch
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = get_cosine_with_min_lr_schedule_with_warmup(
         opt, num_warmup_steps=warmup_steps, num_training_steps=total_steps, min_lr_rate=min_lr_ratio
@@ -85,6 +88,55 @@ def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
         )
 
     return f
+
+
+def wsd_array(steps: np.ndarray, **kw) -> np.ndarray:
+    """`wsd` at many steps at once (same arguments), for schedules over a whole run."""
+    warmup, total, decay, shape, floor = (
+        kw[k] for k in ("warmup_steps", "total_steps", "decay_steps", "decay_shape", "min_lr_ratio")
+    )
+    start = kw.get("decay_start")
+    start = total - decay if start is None else start
+    t = np.asarray(steps, float)
+    progress = np.clip((t - start) / max(1, decay), 0.0, 1.0)
+    f = {
+        "linear": lambda x: 1.0 - x,
+        "cosine": lambda x: 0.5 * (1.0 + np.cos(np.pi * x)),
+        "1-sqrt": lambda x: 1.0 - np.sqrt(x),
+    }
+    if shape not in f:
+        raise ValueError(f"unknown decay_shape {shape!r}")
+    out = np.where(t < start, 1.0, floor + (1.0 - floor) * f[shape](progress))
+    return np.where(t < warmup, t / max(1, warmup), out)
+
+
+def cosine_array(steps: np.ndarray, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> np.ndarray:
+    """`cosine` at many steps at once: transformers' formula (warmup, then half a cosine to `min_lr_ratio`)."""
+    t = np.asarray(steps, float)
+    progress = (t - warmup_steps) / max(1, total_steps - warmup_steps)
+    f = 0.5 * (1.0 + np.cos(np.pi * 2.0 * 0.5 * progress))
+    f = np.maximum(0.0, f * (1 - min_lr_ratio) + min_lr_ratio)
+    return np.where(t < warmup_steps, t / max(1, warmup_steps), f)
+
+
+def lr_array(recipe: Recipe) -> np.ndarray:
+    """The recipe's LR multiplier at steps 0 .. total_steps - 1, vectorised (`lr_lambda` at each step; a run of a
+    million steps takes milliseconds, not a second of Python calls)."""
+    s, plan = recipe.schedule, recipe.plan
+    steps = np.arange(plan.total_steps)
+    if s.type == "cosine":
+        return cosine_array(
+            steps, warmup_steps=s.warmup_steps, total_steps=plan.total_steps, min_lr_ratio=s.min_lr_ratio
+        )
+    return wsd_array(
+        steps,
+        warmup_steps=s.warmup_steps,
+        total_steps=plan.total_steps,
+        decay_steps=plan.decay_steps,
+        decay_shape=s.decay_shape,
+        min_lr_ratio=s.min_lr_ratio,
+        decay_start=plan.decay_start,
+    )
 
 
 def lr_at(recipe: Recipe, step: int) -> float:

@@ -150,33 +150,6 @@ class SpikeDetector:
         self.run = [tuple(x) for x in state["run"] if isinstance(x, list | tuple)]
 
 
-def spike_episodes(losses: list[tuple[int, float]], grace_at: list[int] | tuple = ()) -> list[dict]:
-    """Replay the live rule (defaults) over a logged per-step loss curve: each spike's onset, the step it was
-    detected, and the step the loss came back under its pre-spike trend (None: it never did).
-
-    Args:
-        grace_at: steps where a grace period starts, as in training (the end of warmup, each stage start).
-    """
-    det, episodes, open_ep = SpikeDetector(), [], None
-    graces = sorted(grace_at)
-    if losses:
-        det.start_grace(losses[0][0])
-    for step, loss in losses:
-        while graces and step >= graces[0]:
-            det.start_grace(graces.pop(0))
-        if open_ep is not None:
-            if math.isfinite(loss) and loss <= open_ep["bound"]:
-                open_ep["recovered"], open_ep = step, None
-                det.start_grace(step, forget=False)
-            continue
-        d = det.update(step, loss)
-        if d.kind == "spike":
-            bound = d.expected + det.threshold / 2 * d.noise if d.expected is not None else math.inf
-            open_ep = {"onset": d.onset, "detected": step, "recovered": None, "bound": bound}
-            episodes.append(open_ep)
-    return episodes
-
-
 def sample_ranges(indices: list[int], margin: int) -> list[tuple[int, int]]:
     """Sorted sample indices -> inclusive (first, last) ranges, each widened by `margin` and merged."""
     out: list[list[int]] = []

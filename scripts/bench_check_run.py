@@ -1,0 +1,150 @@
+"""check_run.py at a run's real length (numbers for docs/BENCHMARKS.md, not a timed test): synthetic run directories
+of 10k, 100k and 1M metric rows (a row every 10 steps, as the recipes log; 10 per-step losses in each), timed as a user
+runs it, in a fresh process (imports included), and the spike replay alone against the step-by-step reference.
+
+    python scripts/bench_check_run.py --rows 10000,100000,1000000 --out runs/bench_check_run
+
+The curve: a power-law descent with Gaussian noise (sd 0.02), level shifts at the tiny recipe's stage starts, a WSD
+decay over the last stage, and three injected spikes that recover. Rows carry the keys a real run logs (~1 KB each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pretrainer.recipe.loading import dump_recipe, load_recipe
+from pretrainer.train.spike_replay import spike_episodes, spike_episodes_stepwise
+
+ROOT = Path(__file__).resolve().parents[1]
+LOG_EVERY = 10
+
+
+def make_run(out: Path, rows: int, seed: int = 0) -> dict:
+    """A finished run of `rows` metric rows: recipe.resolved.yaml, metrics.jsonl, events.jsonl."""
+    steps = rows * LOG_EVERY
+    main, long = int(steps * 0.8), int(steps * 0.1)
+    recipe = load_recipe(
+        ROOT / "recipes" / "tiny.yaml",
+        [
+            f"stages.0.steps={main}",
+            f"stages.1.steps={long}",
+            f"stages.2.steps={steps - main - long}",
+            f"eval.every_steps={max(1, steps // 100)}",
+            f"run.output_dir={out}",
+        ],
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    dump_recipe(recipe, out / "recipe.resolved.yaml")
+    rng = np.random.default_rng(seed)
+    s = np.arange(1, steps + 1)
+    decay = np.clip((s - main - long) / max(1, steps - main - long), 0, 1)
+    loss = 3 + 3 / np.sqrt(s) + 0.1 * (s > main) - 0.3 * (1 - np.sqrt(1 - decay)) + 0.02 * rng.standard_normal(steps)
+    spikes = rng.choice(np.arange(steps // 10, main), 3, replace=False)
+    for at in spikes:
+        loss[at : at + 5] += 0.5
+    lr = 3e-3 * np.minimum(1, s / 20) * np.sqrt(1 - decay)
+    with open(out / "events.jsonl", "w") as ev:
+        for i, (name, start) in enumerate([("main", 0), ("long", main), ("anneal", main + long)]):
+            ev.write(
+                json.dumps({"event": "stage_start", "step": start, "time": 0.0, "stage": name, "index": i}) + "\n"
+            )
+        ev.write(json.dumps({"event": "run_end", "step": steps, "time": steps * 0.036}) + "\n")
+    with open(out / "metrics.jsonl", "w") as f:
+        for r in range(rows):
+            a, b = r * LOG_EVERY, (r + 1) * LOG_EVERY
+            stage = "main" if b <= main else "long" if b <= main + long else "anneal"
+            row = {
+                "step": b,
+                "time": b * 0.036,
+                "loss": float(loss[a:b].mean()),
+                "tokens": b * 8192,
+                "stage": stage,
+                "lr": float(lr[b - 1]),
+                "grad_norm": 0.3,
+                "data/repeats/modules": 0,
+                "instability/tokens_lost": 0,
+                "tokens_per_s": 28000.0,
+                "step_time_s": 0.036,
+                "data_wait": 0.01,
+                "step_losses": [[int(s[k]), float(loss[k])] for k in range(a, b)],
+                "mem/host_peak_gb": 0.45,
+                "gns/b_simple": 229.0,
+                "layers/grad_norm_max": 0.18,
+                "layers/grad_norm_argmax": 1,
+                "layers/update_ratio_max": 0.2,
+                "layers/update_ratio_argmax": 0,
+                "layers/param_norm_max": 12.2,
+                "layers/param_norm_argmax": 1,
+            }
+            f.write(json.dumps(row) + "\n")
+            if b % recipe.eval.every_steps == 0:
+                v = float(loss[b - LOG_EVERY : b].mean())
+                f.write(json.dumps({"step": b, "tokens": b * 8192, "stage": stage, "val/ref": v, "val/avg": v}) + "\n")
+    return {
+        "steps": steps,
+        "spikes": sorted(int(x) + 1 for x in spikes),
+        "mb": (out / "metrics.jsonl").stat().st_size / 2**20,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="10000,100000,1000000")
+    p.add_argument("--out", default="runs/bench_check_run")
+    p.add_argument("--reference-steps", type=int, default=100_000, help="steps replayed by both replays")
+    args = p.parse_args(argv)
+    results = []
+    for rows in (int(x) for x in args.rows.split(",")):
+        run = Path(args.out) / f"rows_{rows}"
+        info = make_run(run, rows)
+        t = time.perf_counter()
+        cp = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "check_run.py"), str(run), "--json"],
+            capture_output=True,
+            text=True,
+        )
+        wall = time.perf_counter() - t
+        if cp.returncode != 0:
+            print(cp.stderr, file=sys.stderr)
+            return 1
+        rep = json.loads(cp.stdout)
+        found = [e[0] for e in rep["replayed_spikes"]]
+        results.append(
+            {"rows": rows, **info, "check_run_s": round(wall, 2), "verdict": rep["verdict"], "found": found}
+        )
+        print(json.dumps(results[-1]))
+    # the fast replay against the step-by-step one on the same curve
+    curve = [(int(a), float(b)) for a, b in _losses(Path(args.out) / f"rows_{results[0]['rows']}")]
+    curve = curve[: args.reference_steps]
+    t = time.perf_counter()
+    fast = spike_episodes(curve, [20])
+    t_fast = time.perf_counter() - t
+    t = time.perf_counter()
+    slow = spike_episodes_stepwise(curve, [20])
+    t_slow = time.perf_counter() - t
+    same = [(e["onset"], e["detected"], e["recovered"]) for e in fast] == [
+        (e["onset"], e["detected"], e["recovered"]) for e in slow
+    ]
+    print(
+        json.dumps(
+            {"replay_steps": len(curve), "fast_s": round(t_fast, 2), "stepwise_s": round(t_slow, 2), "same": same}
+        )
+    )
+    return 0 if same else 1
+
+
+def _losses(run: Path):
+    with open(run / "metrics.jsonl") as f:
+        for line in f:
+            yield from json.loads(line).get("step_losses", [])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
