@@ -5,6 +5,11 @@ python scripts/bench_prepare.py --sizes-mb 25,50,200 --workers 2 --out /tmp/benc
 Synthetic jsonl (Zipf-distributed words, ~2 KB documents, 12.5 MB per file) is tokenized by `prepare_source` on
 datatrove's local executor, one task per file, in a fresh subprocess per size. Peak memory is the largest sum of
 RSS over the preparing process and all its children, sampled every 50 ms: it must stay flat as the data grows.
+
+    python scripts/bench_prepare.py --huge-mb 1,8,64 --out /tmp/bench_prepare
+
+One document of each size (words and line breaks, one jsonl line), prepared in-process as the trainer does; peak
+memory with the pieces (`PIECE_CHARS`) and, with `--whole`, as it was before them (the whole text in one encode).
 """
 
 from __future__ import annotations
@@ -25,8 +30,70 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes-mb", default="25,50,200", help="comma-separated sizes of text, in MB")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default="/tmp/bench_prepare", help="work folder (data, tokenizer, token files)")
+    p.add_argument("--huge-mb", help="comma-separated sizes of ONE document, in MB (instead of --sizes-mb)")
+    p.add_argument("--whole", action="store_true", help="with --huge-mb: also tokenize each document whole")
     p.add_argument("--child", nargs=2, metavar=("DATA_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
+    p.add_argument("--child-huge", nargs=3, metavar=("DATA_DIR", "OUT_DIR", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def make_huge(folder: Path, mb: float, seed: int = 0) -> None:
+    """One jsonl line: a document of `mb` MB of Zipf words, a line break every ~12 words; plus a small first one
+    (which trains the tokenizer)."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    words = np.array([f"w{i:x}" for i in range(20_000)])
+    p = 1.0 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    drawn = rng.choice(words, size=int(mb * 2**20 / 5.5), p=p)
+    lines = [" ".join(drawn[i : i + 12]) for i in range(0, len(drawn), 12)]
+    with open(folder / "0000.jsonl", "w") as out:
+        out.write(json.dumps({"id": "small", "text": " ".join(drawn[:20_000])}) + "\n")
+        out.write(json.dumps({"id": "huge", "text": "\n".join(lines)}) + "\n")
+
+
+def child_huge(data_dir: str, out_dir: str, mode: str) -> None:
+    from pretrainer.data import prepare
+    from pretrainer.recipe.sections import SourceSection
+
+    if mode == "whole":
+        prepare.PIECE_CHARS = 1 << 40  # the path before pieces: every document in one encode call
+    src = SourceSection(type="files", include=[f"{data_dir}/*.jsonl"], text_field="text")
+    t0 = time.perf_counter()
+    m = prepare.prepare_source("bench", src, tokenizer(Path(data_dir), lines=1), Path(out_dir), 0.0)
+    print(json.dumps({"tokens": m["tokens"], "seconds": time.perf_counter() - t0}))
+
+
+def huge(args) -> int:
+    rows = []
+    for mb in [float(s) for s in args.huge_mb.split(",")]:
+        data = Path(args.out) / f"huge-{mb:g}"
+        if not data.exists():
+            make_huge(data, mb)
+        for mode in ("pieces", "whole") if args.whole else ("pieces",):
+            out = Path(args.out) / f"huge-tokens-{mb:g}-{mode}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            cmd = [sys.executable, __file__, "--child-huge", str(data), str(out), mode]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            peak = peak_rss(proc)
+            stdout, _ = proc.communicate()
+            if proc.returncode:
+                raise SystemExit(f"preparation of one {mb:g} MB document ({mode}) failed (exit {proc.returncode})")
+            r = json.loads(stdout.strip().splitlines()[-1])
+            doc_mb = (data / "0000.jsonl").stat().st_size / 2**20
+            rows.append(
+                {
+                    "doc_mb": round(doc_mb, 1),
+                    "mode": mode,
+                    "tokens": r["tokens"],
+                    "seconds": round(r["seconds"], 2),
+                    "peak_rss_mb": round(peak[0] / 2**20),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return 0
 
 
 def make_data(folder: Path, mb: float, seed: int = 0) -> None:
@@ -47,15 +114,18 @@ def make_data(folder: Path, mb: float, seed: int = 0) -> None:
                 size += out.write(json.dumps({"id": f"{f}-{size}", "text": doc}) + "\n")
 
 
-def tokenizer(out: Path):
-    """A small BPE learnt from the first data file (the benchmark measures preparation, not tokenizer training)."""
+def tokenizer(out: Path, lines: int | None = None):
+    """A small BPE learnt from the first data file, or its first `lines` (the benchmark measures preparation, not
+    tokenizer training)."""
+    import itertools
+
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(
-        (json.loads(line)["text"] for line in open(next(iter(sorted(out.glob("*.jsonl")))))),
+        (json.loads(line)["text"] for line in itertools.islice(open(sorted(out.glob("*.jsonl"))[0]), lines)),
         trainers.BpeTrainer(vocab_size=8192, special_tokens=["<eos>"]),
     )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
@@ -103,6 +173,11 @@ def main(argv=None) -> int:
     if args.child:
         child(*args.child, args.workers)
         return 0
+    if args.child_huge:
+        child_huge(*args.child_huge)
+        return 0
+    if args.huge_mb:
+        return huge(args)
     rows = []
     for mb in [float(s) for s in args.sizes_mb.split(",")]:
         data, out = Path(args.out) / f"data-{mb:g}", Path(args.out) / f"tokens-{mb:g}"

@@ -231,3 +231,46 @@ def test_slurm_submission_then_array_tasks_then_manifest(setup, tmp_path, monkey
     inline = _prepare(recipe, tok, tmp_path / "inline")
     assert done is not None and len(scripts) == 2  # the job array and datatrove's stats merge; nothing resubmitted
     assert {k: v for k, v in done.items() if k != "seconds"} == {k: v for k, v in inline.items() if k != "seconds"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "def f():\n    return 1\n\n\n" * 3000,  # code: cuts after a line break, never inside an indentation run
+        "word " * 20000,  # prose without line breaks: cuts before a word
+        "x" * 50000,  # no whitespace at all: cut at the limit
+        "a\n  \n\t\n" * 8000 + "end",  # whitespace-only lines
+    ],
+)
+def test_text_pieces_tokenize_as_the_whole_text(setup, text):
+    from pretrainer.data.prepare import text_pieces
+
+    _, tok, _ = setup
+    pieces = list(text_pieces(text, 4096))
+    assert "".join(pieces) == text and len(pieces) > 3 and max(map(len, pieces)) <= 4096
+    whole = tok(text, add_special_tokens=False).input_ids
+    if "x" * 50000 != text:  # a hard cut inside a word may split a token: only where nothing else can be cut
+        assert [t for p in pieces for t in tok(p, add_special_tokens=False).input_ids] == whole
+
+
+def test_one_huge_document_is_prepared_in_bounded_pieces(setup, tmp_path):
+    """A document over PIECE_CHARS (the default, 1 MiB) is tokenized piece by piece: the same tokens as the whole
+    text, one document in the index; memory for 1/8/64 MB documents is measured by bench_prepare.py --huge."""
+    from pretrainer.data.prepare import PIECE_CHARS
+
+    _, tok, _ = setup
+    sources = sorted((ROOT / "src" / "pretrainer").rglob("*.py"))
+    code = "".join(p.read_text() for p in sources)
+    big = (code * (PIECE_CHARS // len(code) + 2))[: PIECE_CHARS + PIECE_CHARS // 2]
+    lines = [json.dumps({"text": "small one"}), json.dumps({"text": big}), json.dumps({"text": "small two"})]
+    write(tmp_path / "docs.jsonl", "\n".join(lines) + "\n")
+    src = SourceSection(type="files", include=[str(tmp_path / "docs.jsonl")])
+    m = prepare_source("huge", src, tok, tmp_path / "out", 0.0)
+    assert m["train_docs"] + m["val_docs"] == 3  # the pieces are one document
+    expect = tok(big, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    docs = [
+        split.tokens[int(a) : int(b)].tolist()
+        for split in (SplitTokens(tmp_path / "out", s, m) for s in ("train", "val"))
+        for a, b in zip(split.doc_offsets[:-1], split.doc_offsets[1:])
+    ]
+    assert expect in docs and len(docs) == 3

@@ -11,7 +11,9 @@ Layout under `data.cache_dir/tokens/<source>-<source key>-<tokenizer>/`:
 document ends (uint64). The trainer memory-maps them as they are (`tokenfiles.py`).
 
 Memory per worker is O(batch of documents + the document ends of one file), whatever the source's size: documents
-stream from datatrove's reader through the tokenizer to disk. Output is named by the input file's position in the
+stream from datatrove's reader through the tokenizer to disk. A batch holds at most `BATCH_CHARS` of text, and a
+document longer than `PIECE_CHARS` is tokenized piece by piece (`text_pieces`), so one huge document costs its own
+text plus one piece's encoding, not ~190x its size (a tokenizer's encoding keeps tokens, offsets and masks). Output is named by the input file's position in the
 sorted file list, and a document is held out for validation by a hash of its id, so the tokens and the split do not
 depend on how many tasks ran or in which order they finished.
 """
@@ -29,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from datatrove.io import get_shard_from_paths_file
-from datatrove.utils.batching import batched
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 
 from ..errors import DataError
@@ -43,6 +44,46 @@ if TYPE_CHECKING:  # annotations only: the workers unpickle this module's step a
     from transformers import PreTrainedTokenizerBase
 
 MANIFEST = "manifest.json"
+PIECE_CHARS = 1 << 18
+"""Longest text handed to the tokenizer at once (characters). Measured on a 6.4 MB document: 256 Ki-character pieces
+peak at +84 MB, 1 Mi at +318 MB (bench_prepare.py --huge-mb)."""
+BATCH_CHARS = 8 << 20
+"""Most text per batch of documents encoded together (characters)."""
+
+
+def text_pieces(text: str, limit: int = PIECE_CHARS):
+    """`text` in pieces of at most `limit` characters, each cut where a run of whitespace starts (a line break
+    first, else a space or tab; a text without whitespace where the limit falls). A byte-level BPE tokenizer's
+    pre-tokenizer (GPT-2's pattern) splits there too, whitespace run and all, so the pieces' tokens are the whole
+    text's (tested); a text within `limit` is one piece."""
+    start = 0
+    while len(text) - start > limit:
+        end = start + limit
+        cut = next((c for c in (_run_start(text, start, end, ws) for ws in "\n \t") if c is not None), end)
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _run_start(text: str, start: int, end: int, ws: str) -> int | None:
+    """The last i in (start, end] with text[i] == ws and text[i - 1] not whitespace."""
+    i = text.rfind(ws, start + 1, end + 1)
+    while i > start and text[i - 1].isspace():
+        i = text.rfind(ws, start + 1, i)
+    return i if i > start else None
+
+
+def text_batches(docs, count: int = 1000, chars: int = BATCH_CHARS):
+    """Documents in batches of at most `count`, and at most `chars` of text unless one document alone is longer."""
+    batch, size = [], 0
+    for d in docs:
+        if batch and (len(batch) == count or size + len(d.text) > chars):
+            yield batch
+            batch, size = [], 0
+        batch.append(d)
+        size += len(d.text)
+    if batch:
+        yield batch
 
 
 def held_out(doc_id: str, fraction: float) -> bool:
@@ -71,9 +112,10 @@ class FileWriter:
         self.parts = {s: TokenizedFile(str(self.tmp), f"{s}.ds", token_size=dtype.itemsize) for s in ("train", "val")}
         self.docs = {"train": 0, "val": 0}
 
-    def add(self, ids: list[int], split: str) -> None:
-        self.parts[split].write_bytes(np.asarray(ids, dtype=self.dtype).tobytes())
-        self.docs[split] += 1
+    def add(self, ids: list[int], split: str, end: bool = True) -> None:
+        """A document's tokens; `end=False`: a piece of one, more to come (no document end is recorded)."""
+        self.parts[split].write_bytes(np.asarray(ids, dtype=self.dtype).tobytes(), doc_ends=None if end else [])
+        self.docs[split] += end
 
     def finish(self, path: str) -> None:
         counts = {"file": path}
@@ -99,13 +141,23 @@ class SplitTokenizer(PipelineStepWithTokenizer):
         self.index = {p: i for i, p in enumerate(files.paths)}
         self.eos_id, self.dtype = eos_id, token_dtype(vocab)
 
+    def write_piece(self, writer: FileWriter, piece: str, split: str) -> int:
+        """Encode and write one piece of a document; returns its token count. A function of its own on purpose: the
+        piece's list of ids must be freed before the next piece is encoded. Kept alive across that encode, the
+        tokenizer's large buffers land above it on the heap, which then cannot shrink: memory grew ~110 MB per
+        1 Mi-character piece (measured), the very growth pieces exist to prevent."""
+        ids = self.tokenizer.encode(piece, add_special_tokens=False).ids
+        writer.add(ids, split, end=False)
+        return len(ids)
+
     def run(self, data, rank: int = 0, world_size: int = 1):
         files_dir = Path(self.out_dir) / "files"
         mine = list(get_shard_from_paths_file(self.paths_file, rank, world_size))
         writer, current, finished = None, None, set()  # input file indices
-        for batch in batched(data, 1000):
-            encoded = self.tokenizer.encode_batch([d.text for d in batch], add_special_tokens=False)
-            for doc, enc in zip(batch, encoded):
+        for batch in text_batches(data):
+            short = [d.text for d in batch if len(d.text) <= PIECE_CHARS]
+            encoded = iter(self.tokenizer.encode_batch(short, add_special_tokens=False))
+            for doc in batch:
                 path = doc.metadata.get("file", "")
                 if path != current:
                     if writer is not None:
@@ -114,8 +166,15 @@ class SplitTokenizer(PipelineStepWithTokenizer):
                     writer, current = FileWriter(files_dir, self.index.get(path, 0), self.dtype), path
                 first = writer.index == 0 and sum(writer.docs.values()) == 0
                 split = "val" if in_validation(doc.id, first, self.fraction) else "train"
-                writer.add(enc.ids + [self.eos_id], split)
-                self.stat_update("tokens", value=len(enc.ids) + 1)
+                if len(doc.text) <= PIECE_CHARS:
+                    ids = next(encoded).ids
+                    writer.add(ids + [self.eos_id], split)
+                    self.stat_update("tokens", value=len(ids) + 1)
+                    continue
+                for piece in text_pieces(doc.text):  # one huge document: bounded memory, the same tokens
+                    self.stat_update("tokens", value=self.write_piece(writer, piece, split))
+                writer.add([self.eos_id], split)
+                self.stat_update("tokens", value=1)
         if writer is not None:
             writer.finish(current)
             finished.add(writer.index)
