@@ -76,12 +76,7 @@ def huge(args) -> int:
             out = Path(args.out) / f"huge-tokens-{mb:g}-{mode}"
             subprocess.run(["rm", "-rf", str(out)], check=True)
             cmd = [sys.executable, __file__, "--child-huge", str(data), str(out), mode]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            peak = peak_rss(proc)
-            stdout, _ = proc.communicate()
-            if proc.returncode:
-                raise SystemExit(f"preparation of one {mb:g} MB document ({mode}) failed (exit {proc.returncode})")
-            r = json.loads(stdout.strip().splitlines()[-1])
+            r, peak = measured(cmd, f"one {mb:g} MB document ({mode})")
             doc_mb = (data / "0000.jsonl").stat().st_size / 2**20
             rows.append(
                 {
@@ -168,6 +163,16 @@ def peak_rss(proc: subprocess.Popen) -> list[int]:
     return peak
 
 
+def measured(cmd: list[str], what: str) -> tuple[dict, list[int]]:
+    """Run a child preparation: its last JSON line and [peak RSS bytes of it and its descendants]."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peak = peak_rss(proc)
+    stdout, _ = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"preparation of {what} failed (exit {proc.returncode})")
+    return json.loads(stdout.strip().splitlines()[-1]), peak
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -185,12 +190,7 @@ def main(argv=None) -> int:
             make_data(data, mb)
         subprocess.run(["rm", "-rf", str(out)], check=True)
         cmd = [sys.executable, __file__, "--workers", str(args.workers), "--child", str(data), str(out)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        peak = peak_rss(proc)
-        stdout, _ = proc.communicate()
-        if proc.returncode:
-            raise SystemExit(f"preparation of {mb:g} MB failed (exit {proc.returncode})")
-        r = json.loads(stdout.strip().splitlines()[-1])
+        r, peak = measured(cmd, f"{mb:g} MB")
         text_mb = sum(p.stat().st_size for p in data.glob("*.jsonl")) / 2**20
         rows.append(
             {

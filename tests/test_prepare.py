@@ -254,8 +254,8 @@ def test_text_pieces_tokenize_as_the_whole_text(setup, text):
 
 
 def test_one_huge_document_is_prepared_in_bounded_pieces(setup, tmp_path):
-    """A document over PIECE_CHARS (the default, 1 MiB) is tokenized piece by piece: the same tokens as the whole
-    text, one document in the index; memory for 1/8/64 MB documents is measured by bench_prepare.py --huge."""
+    """A document over PIECE_CHARS (256 Ki characters) is tokenized piece by piece: the same tokens as the whole
+    text, one document in the index; memory at 1/8/64 MB: `bench_prepare.py --huge-mb`."""
     from pretrainer.data.prepare import PIECE_CHARS
 
     _, tok, _ = setup

@@ -76,27 +76,36 @@ def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
     if s.type == "cosine":
         return _transformers_cosine(s.warmup_steps, plan.total_steps, s.min_lr_ratio)
 
-    def f(step: int) -> float:
-        return wsd(
-            step,
-            warmup_steps=s.warmup_steps,
-            total_steps=plan.total_steps,
-            decay_steps=plan.decay_steps,
-            decay_shape=s.decay_shape,
-            min_lr_ratio=s.min_lr_ratio,
-            decay_start=plan.decay_start,
-        )
-
-    return f
+    kw = _wsd_args(recipe)
+    return lambda step: wsd(step, **kw)
 
 
-def wsd_array(steps: np.ndarray, **kw) -> np.ndarray:
-    """`wsd` at many steps at once (same arguments), for schedules over a whole run."""
-    warmup, total, decay, shape, floor = (
-        kw[k] for k in ("warmup_steps", "total_steps", "decay_steps", "decay_shape", "min_lr_ratio")
+def _wsd_args(recipe: Recipe) -> dict:
+    """`wsd`'s arguments for a recipe: its schedule section and the decay window from its run plan."""
+    s, plan = recipe.schedule, recipe.plan
+    return dict(
+        warmup_steps=s.warmup_steps,
+        total_steps=plan.total_steps,
+        decay_steps=plan.decay_steps,
+        decay_shape=s.decay_shape,
+        min_lr_ratio=s.min_lr_ratio,
+        decay_start=plan.decay_start,
     )
-    start = kw.get("decay_start")
-    start = total - decay if start is None else start
+
+
+def wsd_array(
+    steps: np.ndarray,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    decay_steps: int,
+    decay_shape: str,
+    min_lr_ratio: float,
+    decay_start: int | None = None,
+) -> np.ndarray:
+    """`wsd` at many steps at once (same arguments), for schedules over a whole run."""
+    warmup, decay, shape, floor = warmup_steps, decay_steps, decay_shape, min_lr_ratio
+    start = total_steps - decay if decay_start is None else decay_start
     t = np.asarray(steps, float)
     progress = np.clip((t - start) / max(1, decay), 0.0, 1.0)
     f = {
@@ -128,15 +137,7 @@ def lr_array(recipe: Recipe) -> np.ndarray:
         return cosine_array(
             steps, warmup_steps=s.warmup_steps, total_steps=plan.total_steps, min_lr_ratio=s.min_lr_ratio
         )
-    return wsd_array(
-        steps,
-        warmup_steps=s.warmup_steps,
-        total_steps=plan.total_steps,
-        decay_steps=plan.decay_steps,
-        decay_shape=s.decay_shape,
-        min_lr_ratio=s.min_lr_ratio,
-        decay_start=plan.decay_start,
-    )
+    return wsd_array(steps, **_wsd_args(recipe))
 
 
 def lr_at(recipe: Recipe, step: int) -> float:

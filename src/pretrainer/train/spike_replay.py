@@ -146,7 +146,6 @@ class _Replay(SpikeDetector):
         self.patch: _Table | None = None
         """Windows with a step left out since `table` was built: `window` rows, then `table` holds again."""
         self.size = MIN_CHUNK
-        self.live_fits = 0
 
     def lookup(self) -> tuple[_Table, int] | None:
         if len(self.history) < self.window:
@@ -166,7 +165,6 @@ class _Replay(SpikeDetector):
             z = (loss - p) / scale
             if min(abs(z - self.threshold / 2), abs(z - self.threshold)) > TIE:
                 return z, p, scale
-        self.live_fits += 1
         return super().zscore(step, loss)
 
     def skip_ok(self, i: int, limit: int) -> int:
