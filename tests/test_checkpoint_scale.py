@@ -2,7 +2,6 @@
 the remote copy (file:// here, the same fsspec calls as s3:// or gs://)."""
 
 import json
-import shutil
 
 import pytest
 import run_recipe
@@ -74,11 +73,18 @@ def cli(out, cache_dir, *extra):
     ]
 
 
+def run_id(out) -> str:
+    return json.loads((out / "run.json").read_text())["run_id"]
+
+
 def test_remote_copy_follows_retention_and_serves_a_replaced_node(tmp_path, cache_dir):
-    remote = tmp_path / "bucket" / "run"
+    bucket = tmp_path / "bucket" / "run"
     out = tmp_path / "node1"
-    url = ["--set", f"checkpoint.remote=file://{remote}", "--set", "checkpoint.keep_last=2"]
+    url = ["--set", f"checkpoint.remote=file://{bucket}", "--set", "checkpoint.keep_last=2"]
     assert run_recipe.main(cli(out, cache_dir, *url)) == 0
+    rid = run_id(out)
+    remote = bucket / rid  # the run's own directory there; the remote names its owner
+    assert (bucket / "run_id").read_text() == rid
     local = sorted(c.path.name for c in ck.list_checkpoints(out / "checkpoints"))
     assert sorted(p.name for p in remote.iterdir()) == local == ["step_00000016", "step_00000020"]
     ev = read_jsonl(out / "events.jsonl")
@@ -89,17 +95,52 @@ def test_remote_copy_follows_retention_and_serves_a_replaced_node(tmp_path, cach
             json.loads((d / ck.MANIFEST).read_text())["files"]
             == json.loads((out / "checkpoints" / d.name / ck.MANIFEST).read_text())["files"]
         )
+        assert ck.read_meta(d)["run_id"] == rid
     before = step_losses(out)
     (remote / "step_00000020" / ck.MANIFEST).unlink()  # its upload died before the manifest: never fetched
-    shutil.rmtree(out / "checkpoints")  # the node is gone; its replacement has no local checkpoint
-    shutil.rmtree(out / "final")
-    assert run_recipe.main(cli(out, cache_dir, *url, "--resume", "auto")) == 0
-    ev = read_jsonl(out / "events.jsonl")
+    node = tmp_path / "node2"  # the node is gone; its replacement has an empty run directory
+    assert run_recipe.main(cli(node, cache_dir, *url, "--resume", "auto")) == 0
+    assert run_id(node) == rid  # it continues the remote's run
+    ev = read_jsonl(node / "events.jsonl")
     fetched = [e for e in ev if e["event"] == "remote_fetch"]
-    assert len(fetched) == 1 and fetched[0]["path"].endswith("step_00000016")
+    assert len(fetched) == 1 and fetched[0]["path"].endswith(f"{rid}/step_00000016")
     assert [e for e in ev if e["event"] == "resume"][-1]["step"] == 16
-    after = step_losses(out)
+    assert [e["source"] for e in ev if e["event"] == "run_identity"] == ["remote"]
+    after = step_losses(node)
     assert all(before[k] == after[k] for k in range(17, 21))  # exact resume from the fetched copy
+
+
+def test_nothing_crosses_run_identities(tmp_path, cache_dir, capsys):
+    """A directory reused with --overwrite and a remote shared with the old run: a replaced node continues the new
+    run (not the old run's newer step), an old checkpoint named by path is refused in the new run's directory but
+    starts a branch in a fresh one, and an export never lands on another run's."""
+    import export_checkpoint
+    from test_hardening import one_line_error
+
+    bucket, out = tmp_path / "bucket", tmp_path / "run"
+    url = ["--set", f"checkpoint.remote=file://{bucket}"]
+    assert run_recipe.main(cli(out, cache_dir, *url)) == 0
+    old = run_id(out)
+    assert run_recipe.main(cli(out, cache_dir, *url, "--overwrite", "--set", "stages.0.steps=12")) == 0
+    new = run_id(out)
+    assert new != old and (bucket / "run_id").read_text() == new
+    assert (bucket / old / "step_00000020").is_dir()  # the old run's copies are neither pruned nor overwritten
+    assert json.loads((out / "final" / "provenance.json").read_text())["run_id"] == new
+    node = tmp_path / "node2"
+    assert run_recipe.main(cli(node, cache_dir, *url, "--resume", "auto", "--set", "stages.0.steps=12")) == 0
+    ev = read_jsonl(node / "events.jsonl")
+    assert [e["path"] for e in ev if e["event"] == "remote_fetch"][0].endswith(f"{new}/step_00000012")
+    assert [e["step"] for e in ev if e["event"] == "resume"] == [12] and run_id(node) == new
+    capsys.readouterr()
+    foreign = str(bucket / old / "step_00000016")
+    assert run_recipe.main(cli(out, cache_dir, *url, "--resume", foreign)) == 2
+    assert f"a checkpoint of run {old}, not of this run ({new})" in one_line_error(capsys)
+    branch = tmp_path / "branch"
+    for _ in range(2):  # the branch command, repeated, resumes the same checkpoint again
+        assert run_recipe.main(cli(branch, cache_dir, "--resume", foreign)) == 0
+        assert json.loads((branch / "run.json").read_text())["parent"] == old
+    assert export_checkpoint.main([foreign, str(out / "final")]) == 2
+    assert f"holds a model exported from run {new}, and this checkpoint is of run {old}" in one_line_error(capsys)
 
 
 def test_remote_copy_with_a_corrupt_newest_falls_back(tmp_path, cache_dir):

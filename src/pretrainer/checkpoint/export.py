@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..errors import PretrainerError
 from . import pieces, read_meta, verify
+from .identity import check_export_target, provenance, write_provenance
 from .safe_load import weights_only
 
 
@@ -60,6 +61,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32",
     if problems := verify(ckpt):
         raise PretrainerError(f"{ckpt}: does not verify: {'; '.join(problems[:3])}")
     meta = read_meta(ckpt)
+    check_export_target(out, meta.get("run_id"))
     cfg = dict(meta["model_config"])
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     if merged:
@@ -81,12 +83,14 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, dtype: str = "float32",
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ckpt / "tokenizer").save_pretrained(out)
+    write_provenance(out, {**provenance(meta, ckpt), "merged": merged})
     return out
 
 
-def save_final(accelerator, model, tokenizer, out: Path) -> Path:
+def save_final(accelerator, model, tokenizer, out: Path, record: dict) -> Path:
     """`out/` (the run's `final/`): save_pretrained model (safetensors) + tokenizer, loadable by
-    AutoModelForCausalLM; ZeRO-3 / FSDP shards are gathered onto the main process."""
+    AutoModelForCausalLM; ZeRO-3 / FSDP shards are gathered onto the main process. `record`: its provenance (the
+    run id, step and tokens), in `provenance.json`."""
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
@@ -95,5 +99,6 @@ def save_final(accelerator, model, tokenizer, out: Path) -> Path:
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out)
+        write_provenance(out, record)
     accelerator.wait_for_everyone()
     return out

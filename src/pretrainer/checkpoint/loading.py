@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType
 
 from ..errors import PretrainerError
 from ..observe import events as ev
+from .identity import universal_stamp
 
 DS_TAG = "pytorch_model"  # the tag Accelerate's save_state gives DeepSpeed's checkpoint
 
@@ -71,9 +72,10 @@ def load_state(acc, model, optimizer, path: Path, meta: dict, dcp, log, universa
 
 
 def to_universal(acc, path: Path, meta: dict, log, out: Path) -> Path:
-    """DeepSpeed's universal checkpoint of `path`, in `out` (converted by the main process once; reused after)."""
-    done = out / "done"
-    if acc.is_main_process and not done.exists():
+    """DeepSpeed's universal checkpoint of `path`, in `out` (converted by the main process once; reused after, only
+    for the same run's same save: `done` holds its identity stamp)."""
+    done, stamp = out / "done", universal_stamp(meta)
+    if acc.is_main_process and not (done.exists() and done.read_text() == stamp):
         try:
             from deepspeed.checkpoint import ds_to_universal
         except ImportError as e:
@@ -90,7 +92,7 @@ def to_universal(acc, path: Path, meta: dict, log, out: Path) -> Path:
             inject_missing_state=True,
         )
         ds_to_universal.main(args)
-        done.write_text(str(meta["step"]))
+        done.write_text(stamp)
         log.event(
             ev.UNIVERSAL_CONVERT,
             meta["step"],

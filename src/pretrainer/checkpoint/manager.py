@@ -26,8 +26,9 @@ from . import commit, integrity
 from . import format as ck
 from .commit import Group
 from .dcp import DcpCheckpointer
+from .identity import Identity, foreign
 from .loading import load_state
-from .remote import Uploader, check_remote, fetch_newest
+from .remote import Uploader, check_remote, fetch_newest, run_url
 from .safe_load import weights_only
 from .writer import BackgroundWriter, Snapshot
 
@@ -73,11 +74,14 @@ class CheckpointManager:
         extra_files: dict[str, Callable[[Path], None]] | None = None,
         sidecars: dict[str, Sidecar] | None = None,
         deep_verify: bool = False,
+        identity: Identity | None = None,
     ):
         """Args:
         extra_files: sub-directory name -> writer, called at each save (e.g. the tokenizer).
         sidecars: sub-directory name -> per-rank state saved and restored with the model (the averaged weights).
-        deep_verify: also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`)."""
+        deep_verify: also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`).
+        identity: the run's (checkpoint/identity.py): saved in every meta; another run's checkpoints are passed over
+            by `--resume auto`; the remote copies go to the run's own directory there."""
         self.acc, self.section, self.root = accelerator, section, Path(root)
         self.model, self.optimizer = model, optimizer
         self.log, self.extra_files, self.deep_verify = log, extra_files or {}, deep_verify
@@ -94,7 +98,11 @@ class CheckpointManager:
         """FSDP saves and loads through DCP: sharded, asynchronous when asked, resharded on load."""
         if section.remote:
             check_remote(section.remote)  # every rank: a protocol nobody can write is one line at start
-        self.remote = Uploader(section, log) if section.remote and accelerator.is_main_process else None
+        self.identity = identity
+        self.remote_url = section.remote and (run_url(section.remote, identity.run_id) if identity else section.remote)
+        self.remote = (
+            Uploader(self.remote_url, section, log) if section.remote and accelerator.is_main_process else None
+        )
         """The background copy of each verified checkpoint to `checkpoint.remote` (main process)."""
 
     def take_blocked(self) -> float:
@@ -106,6 +114,7 @@ class CheckpointManager:
     def _meta(self, meta: dict) -> dict:
         return {
             **meta,
+            "run_id": self.identity.run_id if self.identity else None,
             "saved_at": time.time(),
             "world_size": self.acc.num_processes,
             "model_config": self._model_config(),
@@ -305,7 +314,7 @@ class CheckpointManager:
             if problems := self.verify(path):
                 raise PretrainerError(f"--resume {spec}: not a valid checkpoint: {'; '.join(problems[:3])}")
             return path
-        cand, skipped = ck.newest_valid(self.root, check=self.verify)
+        cand, skipped = ck.newest_valid(self.root, check=self._own)
         for path, why in skipped:
             self.log.event(ev.RESUME_SKIP, 0, path=str(path), reason=why)
             if self.acc.is_main_process:
@@ -316,12 +325,19 @@ class CheckpointManager:
             print("resume: no valid checkpoint, starting from scratch", flush=True)
         return cand.path if cand else None
 
+    def _own(self, path: Path) -> list[str]:
+        """`verify`'s problems, or that the checkpoint is another run's."""
+        if problems := self.verify(path):
+            return problems
+        why = foreign(ck.read_meta(path), self.identity) if self.identity else None
+        return [why] if why else []
+
     def _from_remote(self) -> ck.Candidate | None:
         """A replaced node: the newest remote checkpoint that verifies, copied into the local directory."""
         got, error = None, None
         if self.acc.is_main_process:
             try:
-                got = fetch_newest(self.section.remote, self.root, self.log)
+                got = fetch_newest(self.remote_url, self.root, self.log, self.identity and self.identity.run_id)
             except PretrainerError as e:
                 error = str(e)
         if self.acc.num_processes > 1:  # the main process's verdict on every rank, so all stop alike
@@ -329,9 +345,9 @@ class CheckpointManager:
         if error:
             raise PretrainerError(error)
         self.acc.wait_for_everyone()
-        cand, _ = ck.newest_valid(self.root, check=self.verify)
+        cand, _ = ck.newest_valid(self.root, check=self._own)
         if cand is not None and self.acc.is_main_process:
-            print(f"resume: copied {got} from {self.section.remote}", flush=True)
+            print(f"resume: copied {got} from {self.remote_url}", flush=True)
         return cand
 
     def load(self, path: Path) -> Restored:

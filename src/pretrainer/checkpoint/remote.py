@@ -2,6 +2,10 @@
 path), uploaded in the background by the main process; retention there follows the local rules; `--resume auto`
 copies the newest remote checkpoint that verifies when the local directory has none (a replaced node).
 
+Each run has its own directory there, `<remote>/<run_id>/step_N/`, and `<remote>/run_id` names the run that last
+started on the remote (its owner): a replaced node, whose directory is empty, continues the owner; another run's
+copies are never fetched, pruned or overwritten (checkpoint/identity.py).
+
 Object stores have no atomic rename, so the remote protocol is "manifest last": a checkpoint's files are uploaded
 first, its `manifest.json` after them; a remote directory without one is an unfinished upload, never fetched, and
 removed by retention. A fetched checkpoint is verified (sizes and hashes) before anything resumes from it.
@@ -37,6 +41,42 @@ def check_remote(url: str) -> None:
     _fs(url)
 
 
+OWNER = "run_id"
+
+
+def run_url(url: str, run_id: str) -> str:
+    """The run's own directory on the remote."""
+    return f"{url.rstrip('/')}/{run_id}"
+
+
+def remote_owner(url: str) -> str | None:
+    """The id of the run that last claimed the remote (None: none has, or it cannot be read).
+
+    Raises:
+        PretrainerError: the remote cannot be read at all (a replaced node must not start a new run unknowingly)."""
+    fs, root = _fs(url)
+    try:
+        return fs.cat_file(f"{root}/{OWNER}").decode().strip() or None
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PretrainerError(f"--resume auto: checkpoint.remote {url} cannot be read: {first_line(e)}") from None
+
+
+def claim(url: str, run_id: str) -> str | None:
+    """Name this run the remote's owner; the previous owner (None: none). A failure is the caller's to report: the
+    run's copies still go to its own directory."""
+    fs, root = _fs(url)
+    try:
+        before = fs.cat_file(f"{root}/{OWNER}").decode().strip() or None
+    except FileNotFoundError:
+        before = None
+    if before != run_id:
+        fs.makedirs(root, exist_ok=True)
+        fs.pipe_file(f"{root}/{OWNER}", run_id.encode())
+    return before
+
+
 def _remote_candidates(fs, root: str) -> tuple[list[ck.Candidate], list[str]]:
     """Finished remote checkpoints, oldest first, and unfinished ones (no manifest)."""
     done, unfinished = [], []
@@ -62,8 +102,10 @@ class Uploader:
     """One background thread; while an upload runs, only the newest waiting checkpoint is kept (a slow link falls
     behind by skipping, never by stalling the run or queueing without bound)."""
 
-    def __init__(self, section, log):
-        self.url, self.section, self.log = section.remote, section, log
+    def __init__(self, url: str, section, log):
+        """Args:
+        url: the run's own directory on the remote (`run_url`)."""
+        self.url, self.section, self.log = url, section, log
         self.cv = threading.Condition()
         self.pending: Path | None = None
         self.busy = False
@@ -151,8 +193,9 @@ def _step(d: str) -> int | None:
     return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
 
 
-def fetch_newest(url: str, root: Path, log) -> str | None:
-    """Copy the newest remote checkpoint that verifies into `root` (atomically, as a save would); its name, or None.
+def fetch_newest(url: str, root: Path, log, run_id: str | None = None) -> str | None:
+    """Copy the newest remote checkpoint of `url` (a run's directory) that verifies and is `run_id`'s into `root`
+    (atomically, as a save would); its name, or None.
 
     Raises:
         PretrainerError: the remote cannot be read (a replaced node must not start from scratch unknowingly)."""
@@ -163,6 +206,9 @@ def fetch_newest(url: str, root: Path, log) -> str | None:
         raise PretrainerError(f"--resume auto: checkpoint.remote {url} cannot be listed: {first_line(e)}") from None
     for c in reversed(cands):
         name, src = c.path.name, f"{rroot}/{c.path.name}"
+        if run_id is not None and c.meta.get("run_id") not in (None, run_id):
+            log.event(ev.REMOTE_SKIP, 0, path=src, reason=f"a checkpoint of run {c.meta['run_id']}")
+            continue
         tmp = Path(root) / f"{ck.TMP_PREFIX}{name}"
         ck.remove_dir(tmp) if tmp.exists() else None
         for f in fs.find(src):

@@ -36,6 +36,11 @@ def _kind(name: str, fields: tuple[str, ...], doc: str, incident: bool = False, 
 # ------------------------------------------------------------------ the run
 RUN_START = _kind("run_start", ("params", "total_steps", "world"), "a fresh run began (not on resume)")
 RUN_END = _kind("run_end", ("tokens",), "the last step is done and final/ written")
+RUN_IDENTITY = _kind(
+    "run_identity",
+    ("run_id", "parent", "source", "remote_was"),
+    "the run's id at each launch: where it came from, and the remote's previous owner when this run claimed it",
+)
 RESUME = _kind("resume", ("path", "tokens", "stage", "cursor", "skips"), "restored from a checkpoint", incident=True)
 RESUME_SKIP = _kind("resume_skip", ("path", "reason"), "a checkpoint --resume auto passed over, and why")
 RECIPE_CHANGE = _kind("recipe_change", ("differences",), "a resume accepted with --allow-recipe-change")

@@ -12,7 +12,15 @@ from pathlib import Path
 from ..errors import PretrainerError
 
 LOCK = ".lock"
-OLD_RUN = ("metrics.jsonl", "events.jsonl", "wandb_id", "skip_ledger.json", "recipe.resolved.yaml", "layers.jsonl")
+OLD_RUN = (
+    "run.json",
+    "metrics.jsonl",
+    "events.jsonl",
+    "wandb_id",
+    "skip_ledger.json",
+    "recipe.resolved.yaml",
+    "layers.jsonl",
+)
 OLD_RUN_DIRS = ("checkpoints", "final", "merged", "universal", "wandb")
 """What `--overwrite` removes: nothing of the old run that a later command could read as the new run's (its exported
 models, DeepSpeed's universal conversions of its checkpoints, which a resume would otherwise reuse, and its W&B

@@ -12,7 +12,6 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from ..checkpoint import CheckpointManager, Restored
-from ..checkpoint.export import save_final
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
 from ..evaluation.validation import eval_due, sample_losses
 from ..faults import kill_point
@@ -39,9 +38,9 @@ from .layers import layer_stats_for
 from .preemption import Preempted, PreemptFlag
 from .probe import OptimizerProbe
 from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
-from .resume import check_compatible, check_data, choose_checkpoint
+from .resume import check_compatible, check_data, choose_checkpoint, run_identity
 from .rundir import RunDir
-from .saving import SaveClock
+from .saving import SaveClock, save_models
 from .state import Parts, RunState
 from .step import StepOutcome, StepRunner
 
@@ -84,6 +83,7 @@ class Trainer:
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
         acc.wait_for_everyone()
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
+        self.identity = run_identity(acc, self.output_dir, self.resume_spec, recipe.checkpoint.remote, self.log)
         if acc.is_main_process:
             announce(recipe, self.output_dir, self.findings)
         self._build_parts()
@@ -114,6 +114,7 @@ class Trainer:
             extra_files={"tokenizer": self.tokenizer.save_pretrained},
             sidecars={"averaging": self.average} if self.average is not None else None,
             deep_verify=self.deep_verify,
+            identity=self.identity,
         )
         self.save_clock = SaveClock(recipe.checkpoint, acc)
         self.layer_stats = layer_stats_for(recipe, acc, self.model)
@@ -442,8 +443,6 @@ class Trainer:
         return record
 
     def save_final(self) -> Path:
-        """`final/` (save_pretrained model + tokenizer) and, with averaging, `merged/` beside it."""
-        acc, out = self.accelerator, self.output_dir
-        if self.average is not None:
-            self.average.with_merged(lambda: save_final(acc, self.model, self.tokenizer, out / "merged"))
-        return save_final(acc, self.model, self.tokenizer, out / "final")
+        st = self.state
+        rec = {"run_id": self.identity.run_id, "step": st.step, "tokens": st.tokens, "from": "the live run"}
+        return save_models(self.accelerator, self.model, self.tokenizer, self.output_dir, self.average, rec)
