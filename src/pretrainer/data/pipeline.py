@@ -182,8 +182,13 @@ def check_inline(recipe: Recipe, name: str) -> None:
 class StageBatches:
     """The batches of one stage: global sample indices -> packed sequences, split over ranks and micro batches."""
 
-    def __init__(self, stage: StageSection, span: StageSpan, sources: dict[str, SourceData], seed: int):
-        self.span = span
+    def __init__(
+        self, stage: StageSection, span: StageSpan, sources: dict[str, SourceData], seed: int, vocab: int | None = None
+    ):
+        """Args:
+        vocab: the model's vocabulary size: a token id at or beyond it stops the run with one line naming its file
+            (the check at start samples the files; an embedding lookup would fail, on a GPU with a device assert)."""
+        self.span, self.vocab = span, vocab
         self.tables: dict[str, WindowTable] = {}
         for name, w in stage.mixture.items():
             if w <= 0:
@@ -240,7 +245,20 @@ class StageBatches:
         rows = self.rows_for(mine)
         mb = self.span.micro_batch_size
         batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]
+        if self.vocab is not None and max(int(b.max()) for b in batches) >= self.vocab:  # host arrays: no sync
+            self._foreign_id(mine, rows)
         return batches, new_cursor, (idx[0], idx[-1])
+
+    def _foreign_id(self, indices: list[int], rows: list[np.ndarray]) -> None:
+        for i, row in zip(indices, rows, strict=True):
+            if row.size and int(row.max()) >= self.vocab:
+                d = self.sampler(i)
+                at = self.tables[d.source].start(d.sample) + int(np.argmax(row >= self.vocab))
+                path, pos = self.sources[d.source].train.tokens.file_of(at)
+                raise DataError(
+                    f"{path}: token id {int(row.max())} at token {pos} (data.sources.{d.source}, training sample {i}) "
+                    f"is beyond the model's {self.vocab} ids: a corrupted or foreign token file; prepare it again"
+                )
 
 
 def validation_batches(

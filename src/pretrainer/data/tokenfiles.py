@@ -46,6 +46,11 @@ class TokenFiles:
             i += 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
+    def file_of(self, pos: int) -> tuple[str, int]:
+        """The token file holding token `pos` of the whole array, and its position in that file."""
+        i = int(np.searchsorted(self.starts, pos, side="right")) - 1
+        return str(self.maps[i].filename), pos - int(self.starts[i])
+
 
 def check_sizes(paths: list[Path], split: str, manifest: dict) -> None:
     """Each token file and its document index against the manifest's per-file counts (a stat per file: no read), so

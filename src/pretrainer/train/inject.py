@@ -90,7 +90,7 @@ def wants_step_faults(inject: InjectSection) -> bool:
 def stage_batches(recipe, spans, sources, stage: int, vocab_size: int) -> StageBatches:
     """A stage's batches: with `debug.inject.poison_samples` applied when it names this stage (a drill: the same
     samples poisoned at every draw)."""
-    args = (recipe.stages[stage], spans[stage], sources, recipe.run.seed)
+    args = (recipe.stages[stage], spans[stage], sources, recipe.run.seed, vocab_size)
     poison = recipe.debug.inject.poison_samples
     if poison is not None and poison[0] == stage:
         return PoisonedBatches(*args, first=poison[1], last=poison[2], vocab_size=vocab_size)
