@@ -6,7 +6,6 @@ import contextlib
 import random
 
 import numpy as np
-import torch
 
 
 def innermost_optimizer(optimizer):
@@ -19,6 +18,8 @@ def innermost_optimizer(optimizer):
 def rng_state() -> dict:
     """Python, NumPy, torch (and CUDA) RNG states as tensors and plain tuples only, so they load with
     `weights_only=True`."""
+    import torch  # here: reading a run (check_run) imports this module, and torch takes seconds
+
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     out = {
         "random": random.getstate(),
@@ -31,6 +32,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     random.setstate(state["random"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))

@@ -21,13 +21,16 @@ import io
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 from safetensors import safe_open
 
 from ..runtime import innermost_optimizer
 from .safe_load import weights_only
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: hashing and verifying (check_run) need none of it
+    import torch
 
 HASH = "xxh3_128"
 _RANKED = re.compile(r"(?:^|[_/])(?:zero_pp_rank_|random_states_|__)(\d+)(?:_|\.)")
@@ -108,11 +111,14 @@ def check(directory: Path, files: dict[str, dict], rels: list[str], deep: bool) 
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+
     return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
 
 
 def state_tensors(model, optimizer) -> list[torch.Tensor]:
     """This rank's floating-point parameters, master weights and optimizer moments."""
+    import torch
+
     inner = innermost_optimizer(optimizer)  # its state and groups hold what the rank owns (DeepSpeed: fp32 partitions)
     ts = [p for p in model.parameters()]
     ts += [p for g in inner.param_groups for p in g["params"]]
@@ -129,6 +135,8 @@ def state_tensors(model, optimizer) -> list[torch.Tensor]:
 def state_finite(model, optimizer) -> torch.Tensor:
     """1.0 when every value this rank holds is finite, else 0.0, on the device: one fused max-abs per device and
     dtype (no per-tensor host sync, no overflow as a sum of squares would have)."""
+    import torch
+
     ts = state_tensors(model, optimizer)
     device = ts[0].device if ts else torch.device("cpu")
     if not ts:
@@ -142,6 +150,8 @@ def state_finite(model, optimizer) -> torch.Tensor:
 
 def _nonfinite(obj, where: str, out: list[str]) -> None:
     """Every floating tensor in a nested state (dicts, lists), by path."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point() and obj.numel() and not torch.isfinite(obj).all():
             out.append(f"{where} has non-finite values")
@@ -163,6 +173,8 @@ def scan_files(directory: Path, only: set[str] | None = None) -> list[str]:
 
     Args:
         only: these files (relative paths; a rank's share), else all."""
+    import torch
+
     problems = []
     for f in sorted(directory.glob("model*.safetensors")):
         if only is not None and str(f.relative_to(directory)) not in only:
@@ -194,6 +206,8 @@ def scan_files(directory: Path, only: set[str] | None = None) -> list[str]:
 
 def scan_dcp(directory: Path, only: set[str] | None = None) -> list[str]:
     """The deep check for DCP shards: every stored tensor read back, one at a time, for NaN/Inf."""
+    import torch
+
     root = Path(directory) / "dcp"
     if not (root / ".metadata").exists():
         return []

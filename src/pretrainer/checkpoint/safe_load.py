@@ -13,8 +13,6 @@ import pickle
 import threading
 from pathlib import Path
 
-import torch
-
 from ..errors import PretrainerError, first_line
 
 _LOCK = threading.Lock()
@@ -37,6 +35,8 @@ class UnsafeCheckpoint(PretrainerError):
 @contextlib.contextmanager
 def weights_only(where: str):
     """Force `weights_only=True` on every `torch.load` in the block; a refused file is an UnsafeCheckpoint."""
+    import torch  # here: reading a run imports this module, and torch takes seconds
+
     real = torch.load
 
     def load(f, *args, **kwargs):

@@ -10,10 +10,12 @@ computed in chunks of positions, so memory is one row's logits in the model dtyp
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import torch.nn.functional as F
+
+if TYPE_CHECKING:  # torch is imported where losses are computed: the verdict on logged numbers (check_run) needs none
+    import torch
 
 FLAT_RATIO = 0.02
 """A bucket whose mean loss is this much (relative) above the best earlier bucket, and more than two standard errors
@@ -41,6 +43,9 @@ def bucket_name(lo: int, hi: int) -> str:
 def token_losses(model, ids: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each next token of one row `ids` [1, L]: a [L - 1] float tensor; entry t is the loss of token
     t + 1, predicted from t + 1 tokens of context."""
+    import torch
+    import torch.nn.functional as F
+
     logits = model(input_ids=ids, use_cache=False).logits
     n = ids.shape[1] - 1
     out = [
@@ -55,6 +60,8 @@ def token_losses(model, ids: torch.Tensor) -> torch.Tensor:
 def bucket_sums(losses: torch.Tensor, buckets: list[tuple[int, int]]) -> torch.Tensor:
     """[buckets, 3]: this document's mean loss in each bucket, its square, and 1 (a document count), so sums over
     documents (and ranks) give the mean over documents and its standard error. Loss index t is position t + 1."""
+    import torch
+
     rows = []
     for lo, hi in buckets:
         m = losses[max(0, lo - 1) : hi - 1].mean()
@@ -125,17 +132,19 @@ def padded_share(n: int, rank: int, world: int) -> list[tuple[int, bool]]:
     return out
 
 
-@torch.no_grad()
 def position_table(
     model, rows: list[np.ndarray], buckets: list[tuple[int, int]], device, rank: int = 0, world: int = 1, reduce=None
 ) -> list[dict]:
     """Loss by position over `rows`, split over ranks. Every rank runs the same number of forwards (ZeRO-3 gathers
     parameters inside forward; an uneven count would hang): a rank without a row of its own repeats row 0 with
     weight 0. `reduce`: sums a tensor over ranks (Accelerate's `reduce`), None in one process."""
+    import torch
+
     sums = torch.zeros(len(buckets), 3, device=device)
-    for k, real in padded_share(len(rows), rank, world):
-        ids = torch.from_numpy(np.asarray(rows[k], dtype=np.int64))[None].to(device)
-        sums += bucket_sums(token_losses(model, ids), buckets) * real
+    with torch.no_grad():
+        for k, real in padded_share(len(rows), rank, world):
+            ids = torch.from_numpy(np.asarray(rows[k], dtype=np.int64))[None].to(device)
+            sums += bucket_sums(token_losses(model, ids), buckets) * real
     if reduce is not None:
         sums = reduce(sums)
     return bucket_table(sums.cpu(), buckets)

@@ -19,8 +19,6 @@ step is refitted with the live code, so the replay decides as the live detector 
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -45,7 +43,11 @@ def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> np.ndarray:
-    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3)."""
+    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3).
+    A 1-D u (W,) is every row's (consecutive steps): unweighted, one 3x3 system serves all rows, one matrix product."""
+    if u.ndim == 1:
+        a = np.vander(u, 3, increasing=True)
+        return y @ np.linalg.solve(a.T @ a, a.T).T
     wu = u if w is None else w * u
     wu2 = wu * u
     s0 = np.full(len(u), float(u.shape[1])) if w is None else w.sum(axis=1)
@@ -63,10 +65,15 @@ def batched_trend_fit(
     coefficients (B, 3) in u = (step - at) / span, span (B,) and the noise sd (B,). The prediction at `at` is
     coefficient 0; at another step t it is the quadratic at u = (t - at) / span (the same line, refitted
     elsewhere, agrees up to rounding)."""
-    steps, losses = np.ascontiguousarray(steps), np.ascontiguousarray(losses)  # windows come as strided views
-    span = np.maximum(1.0, at - steps.min(axis=1))
-    u = (steps - at[:, None]) * (1.0 / span)[:, None]
+    losses = np.ascontiguousarray(losses)  # windows come as strided views
     deg, n = 2, steps.shape[1]
+    if (steps[:, 0] == at - n).all() and (steps[:, -1] == at - 1).all():  # every step logged: one u for all rows
+        span = np.full(len(at), float(n))
+        u = (np.arange(n, dtype=float) - n) * (1.0 / n)
+    else:
+        steps = np.ascontiguousarray(steps)
+        span = np.maximum(1.0, at - steps.min(axis=1))
+        u = (steps - at[:, None]) * (1.0 / span)[:, None]
 
     def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         coef = _solve(u, y, w)
@@ -78,7 +85,8 @@ def batched_trend_fit(
     count = keep.sum(axis=1)
     again = (count > deg + 2) & (count < n)
     if again.any():
-        c2, r2, s2 = fit(u[again], losses[again], keep[again].astype(float))
+        ua = u[again] if u.ndim == 2 else np.broadcast_to(u, (int(again.sum()), n))
+        c2, r2, s2 = fit(ua, losses[again], keep[again].astype(float))
         coef[again], resid[again], sd[again] = c2, r2, s2
         keep[again] = np.abs(r2) <= 3 * s2[:, None]
     n_in = keep.sum(axis=1)
@@ -152,19 +160,18 @@ class _Table:
         return r if r < len(self.sd) else None
 
 
+FIT_ROWS = 2048
+"""Windows per `batched_trend_fit` call: its ~20 element-wise passes then run on arrays that stay in cache (1.6 MB
+at the default window of 100); measured 30% faster than 16384 rows per call."""
+
+
 def _fit_rows(view_s: np.ndarray, view_l: np.ndarray, at: np.ndarray):
-    """`batched_trend_fit` over many rows, split across threads (numpy's kernels release the GIL)."""
-    parts = min(os.cpu_count() or 1, len(at) // 1024)
-    if parts <= 1:
-        return batched_trend_fit(view_s, view_l, at)
-    cuts = np.linspace(0, len(at), parts + 1).astype(int)
-    with ThreadPoolExecutor(parts) as pool:
-        out = list(
-            pool.map(
-                lambda c: batched_trend_fit(view_s[c[0] : c[1]], view_l[c[0] : c[1]], at[c[0] : c[1]]),
-                zip(cuts[:-1], cuts[1:]),
-            )
-        )
+    """`batched_trend_fit` over many rows, in cache-sized pieces. (Threads were tried: numpy's many short calls here
+    hold the GIL between kernels, and two threads on two cores ran no faster than one.)"""
+    out = [
+        batched_trend_fit(view_s[a:b], view_l[a:b], at[a:b])
+        for a, b in zip(range(0, len(at), FIT_ROWS), range(FIT_ROWS, len(at) + FIT_ROWS, FIT_ROWS))
+    ]
     return tuple(np.concatenate(x) for x in zip(*out))
 
 
