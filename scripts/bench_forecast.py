@@ -6,8 +6,9 @@ constant, cosine and WSD schedules, a short branch decay, a slow LR drift, and t
 1. Fit on a constant-LR run and a cosine run; predict a WSD (1-sqrt, 20% decay) run's whole val/ref curve.
 2. Fit on the WSD run's stable phase plus a branch decay of 5% of the steps; predict the full decay's final val/ref.
 3. Fit each cosine seed on its first half; is the final val/ref inside the band?
-4. A drift (`debug.inject.lr_drift`): the first eval at which `check_run.py` says off track, and the first at which
-   the trend verdicts leave `healthy`; and healthy runs: never off track.
+4. Drifts (`debug.inject.lr_drift`, the LR x (1 + rate (step - start)), rates 0.02 and 0.004): the first eval at
+   which the check says off track (replayed eval by eval, and as the loop logged it), the first at which the trend
+   verdicts leave `healthy`, and what `check_run.py` says at the end; and healthy runs: never off track.
 5. Fit time at 10, 100 and 1,000 points.
 """
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from pretrainer.observe.forecast import Curve, fit, predict
 from pretrainer.observe.health import load_run, verdict
-from pretrainer.observe.outlook import MIN_POINTS, calibration_curve, outlook, run_curve
+from pretrainer.observe.outlook import MIN_POINTS, calibration_curve, forecast_report, outlook, run_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = {
@@ -139,8 +140,16 @@ def main(argv=None) -> int:
             }
         )
     # 4. drift vs healthy
-    drift = train(a.out / "drift", n, a.every, SCHEDULES["const"] + [f"debug.inject.lr_drift=[{n // 3},0.02]"])
-    res["drift"] = {"first_off_track": first_off_track(drift), "first_unhealthy": first_unhealthy(drift)}
+    for name, rate in (("drift", 0.02), ("slow_drift", 0.004)):
+        run = train(a.out / name, n, a.every, SCHEDULES["const"] + [f"debug.inject.lr_drift=[{n // 3},{rate}]"])
+        logged = [e["step"] for e in load_run(run)["events"] if e["event"] == "off_track"]
+        res[name] = {
+            "lr_drift": [n // 3, rate],
+            "first_off_track": first_off_track(run),
+            "logged_off_track": logged,
+            "first_unhealthy": first_unhealthy(run),
+            "check_run_at_end": forecast_report(run)["lines"][0],
+        }
     res["healthy_off_track"] = {r.name: first_off_track(r) for r in [const, wsd, *cos]}
     res["healthy_first_unhealthy"] = {r.name: first_unhealthy(r) for r in [const, wsd, *cos]}
     # 5. fit time

@@ -61,6 +61,36 @@ def test_off_track_sees_a_drift_and_not_noise():
     assert off_track(f, drifting) == [int(s) for s in healthy.steps[60:64]]
 
 
+def test_the_loop_logs_a_drift_when_it_begins_and_check_run_remembers_it(tmp_path):
+    """A drift the law later bends to follow (fitted on evals inside it) is on track at the end; the in-loop check
+    saw it when it showed, logged one `off_track` event, and check_run says the run was off track."""
+    import json
+
+    from pretrainer.observe.outlook import Forecaster, remembered_drift
+
+    healthy = drawn("const", seed=3)
+    loss = healthy.loss.copy()
+    loss[40:] += 0.004 * np.arange(1, len(loss) - 39) ** 1.2  # from eval 40 a slow rise, never corrected
+    fc, began = Forecaster(healthy.lr, W), []
+    for k, (step, value) in enumerate(zip(healthy.steps.tolist(), loss.tolist())):
+        fc.observe(step, value)
+        if (out := fc.forecast()) is not None:
+            assert out[0]["forecast/off_track"] in (0.0, 1.0)
+            if out[2] is not None:
+                began.append((k, out[2]))
+    assert began and 40 <= began[0][0] <= 50, began  # seen within ten evals of its start
+    assert all(b[1]["evals"][0] > int(healthy.steps[39]) for b in began)
+    fresh = Forecaster(healthy.lr, W)  # healthy: never
+    for step, value in zip(healthy.steps.tolist(), healthy.loss.tolist()):
+        fresh.observe(step, value)
+        assert (out := fresh.forecast()) is None or out[2] is None
+    events = [{"event": "off_track", "step": 999, **json.loads(json.dumps(began[0][1]))}]  # as logged
+    was, line = remembered_drift(events, now_off=False)
+    assert was == [began[0][1]] and line.startswith(f"was off track: evals at steps {began[0][1]['evals'][0]}-")
+    assert remembered_drift(events, now_off=True)[1] is None  # today's verdict says it already
+    assert remembered_drift([], now_off=False) == ([], None)
+
+
 def test_fit_time_grows_slowly_with_points():
     w = schedule("wsd")
     times = {}

@@ -105,6 +105,11 @@ REMOTE_FETCH = _kind("remote_fetch", ("path", "to"), "a remote checkpoint fetche
 HEALTH = _kind("health", ("verdict", "reasons"), "the trend verdict at an eval")
 CONTEXT = _kind("context", (), "the loss-by-position table and its verdict", open_fields=True)
 FORECAST = _kind("forecast", ("params", "sigma", "points", "mode", "fit_step"), "the loss-curve law fitted at an eval")
+OFF_TRACK = _kind(
+    "off_track",
+    ("evals", "fit_step"),
+    "the last evals lie above the band of the law fitted before them (a drift); logged when it begins",
+)
 TRACKER_BACKFILL = _kind("tracker_backfill", ("rows",), "metrics rows a resumed W&B run was missing")
 
 INCIDENTS = tuple(k for k in KINDS.values() if k.incident)
@@ -144,6 +149,8 @@ LOSS_Z = "loss/z"
 """The z-loss term's value (coefficient included), when `stability.z_loss` is on."""
 LAYERS_PREFIX = "layers/"
 FORECAST_HI = "forecast/final_hi"
+FORECAST_OFF_TRACK = "forecast/off_track"
+"""1 while the last evals lie above the band of the law fitted before them (a drift), else 0."""
 
 
 def val_key(rows_or_row) -> str:

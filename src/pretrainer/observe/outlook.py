@@ -154,6 +154,8 @@ class Forecaster:
     def __init__(self, lr: np.ndarray, warmup: int, calibration: list[Curve] = ()):
         self.lr, self.warmup, self.calibration = lr, warmup, list(calibration)
         self.points: list[tuple[int, float]] = []
+        self.off = False
+        """Whether the last check found the run off track (an `off_track` event is logged when it begins)."""
 
     @classmethod
     def for_recipe(cls, recipe: Recipe) -> Forecaster | None:
@@ -168,24 +170,30 @@ class Forecaster:
         if step > 0 and np.isfinite(value):
             self.points = [p for p in self.points if p[0] < step] + [(step, float(value))]
 
-    def forecast(self) -> tuple[dict[str, float], dict] | None:
-        """(metrics, event details), or None while the fit has fewer than `MIN_POINTS` points to use."""
+    def forecast(self) -> tuple[dict[str, float], dict, dict | None] | None:
+        """(metrics, forecast event details, off-track event details when a drift begins at this eval), or None
+        while the fit has fewer than `MIN_POINTS` points to use. The drift check is `outlook`'s, as check_run's: a
+        drift the law later bends to follow is caught here, when it shows, and stays in the event log."""
         if len(self.points) < MIN_POINTS:
             return None
         steps, loss = zip(*self.points)
         curve = Curve(self.lr, np.array(steps), np.array(loss), self.warmup)
         if usable(curve) < MIN_POINTS:
             return None
-        f = fit([curve, *self.calibration])
-        value, lo, hi = predict(f, self.lr, [len(self.lr)], self.warmup)
-        metrics = {ev.FORECAST_FINAL: float(value[0]), ev.FORECAST_LO: float(lo[0]), ev.FORECAST_HI: float(hi[0])}
-        return metrics, f.as_dict()
+        o = outlook(curve, self.calibration)
+        value, lo, hi = o.final
+        metrics = {ev.FORECAST_FINAL: value, ev.FORECAST_LO: lo, ev.FORECAST_HI: hi}
+        metrics[ev.FORECAST_OFF_TRACK] = float(bool(o.off_track))
+        began = bool(o.off_track) and not self.off
+        self.off = bool(o.off_track)
+        return metrics, o.fit.as_dict(), {"evals": o.off_track, "fit_step": o.fit_step_for_check} if began else None
 
     def state_dict(self) -> dict:
-        return {"points": [list(p) for p in self.points]}
+        return {"points": [list(p) for p in self.points], "off": self.off}
 
     def load_state_dict(self, state: dict) -> None:
         self.points = [(int(s), float(v)) for s, v in state["points"]]
+        self.off = bool(state.get("off", False))
 
 
 def forecast_report(run_dir: str | Path, target: float | None = None, run: dict | None = None) -> dict | None:
@@ -198,12 +206,31 @@ def forecast_report(run_dir: str | Path, target: float | None = None, run: dict 
         return None
     o = outlook(curve)
     v, lo, hi = o.final
-    return {
+    out = {
         "lines": verdict_lines(o, target),
         "final": {"value": v, "lo": lo, "hi": hi, "step": o.total},
         "off_track": o.off_track,
         "fit": o.fit.as_dict(),
     }
+    was, line = remembered_drift((run or load_run(run_dir))["events"], bool(o.off_track))
+    if was:
+        out["was_off_track"] = was
+    if line:
+        out["lines"].insert(0, line)
+    return out
+
+
+def remembered_drift(events: list[dict], now_off: bool) -> tuple[list[dict], str | None]:
+    """The drifts the loop logged (`off_track` events), and a verdict line for the latest when the check today no
+    longer sees it: a law fitted on evals inside a drift follows the drifted curve."""
+    was = [{"evals": e["evals"], "fit_step": e["fit_step"]} for e in events if e["event"] == ev.OFF_TRACK]
+    if not was or now_off:
+        return was, None
+    e = was[-1]
+    return was, (
+        f"was off track: evals at steps {e['evals'][0]}-{e['evals'][-1]} lay above the band fitted at step "
+        f"{e['fit_step']} (the law fitted since follows the drifted curve: compare its forecast with the one before)"
+    )
 
 
 def decay_from(recipe: Recipe, now: int, steps: int) -> np.ndarray:

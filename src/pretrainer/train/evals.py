@@ -44,6 +44,8 @@ class EvalRound:
         self.log.metrics(step, {"tokens": tokens, "stage": span.name, **vals})
         if forecast is not None:
             self.log.event(ev.FORECAST, step, **forecast[1])
+            if forecast[2] is not None:
+                self.log.event(ev.OFF_TRACK, step, **forecast[2])
         if self.evaluate.context is not None:
             self.log.event(ev.CONTEXT, step, **self.evaluate.context)
         if self.health is not None:  # the same verdict as check_run.py, on what is logged so far
