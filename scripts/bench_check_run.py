@@ -3,6 +3,7 @@ of 10k, 100k and 1M metric rows (a row every 10 steps, as the recipes log; 10 pe
 runs it, in a fresh process (imports included), and the spike replay alone against the step-by-step reference.
 
     python scripts/bench_check_run.py --rows 10000,100000,1000000 --out runs/bench_check_run
+    python scripts/bench_check_run.py --rows 100000 --phases --curves 4     # where the time goes; 4 noisy curves
 
 The curve: a power-law descent with Gaussian noise (sd 0.02), level shifts at the tiny recipe's stage starts, a WSD
 decay over the last stage, and three injected spikes that recover. Rows carry the keys a real run logs (~1 KB each).
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="10000,100000,1000000")
     p.add_argument("--out", default="runs/bench_check_run")
     p.add_argument("--reference-steps", type=int, default=100_000, help="steps replayed by both replays")
+    p.add_argument("--phases", action="store_true", help="also time each phase of check_run's work in-process")
+    p.add_argument("--curves", type=int, default=0, help="also compare the replays on N noisy 60k-step curves")
     args = p.parse_args(argv)
     results = []
     for rows in (int(x) for x in args.rows.split(",")):
@@ -119,6 +122,8 @@ def main(argv=None) -> int:
         results.append(
             {"rows": rows, **info, "check_run_s": round(wall, 2), "verdict": rep["verdict"], "found": found}
         )
+        if args.phases:
+            results[-1]["phases"] = phases(run)
         print(json.dumps(results[-1]))
     # the fast replay against the step-by-step one on the same curve
     curve = [(int(a), float(b)) for a, b in _losses(Path(args.out) / f"rows_{results[0]['rows']}")]
@@ -137,7 +142,61 @@ def main(argv=None) -> int:
             {"replay_steps": len(curve), "fast_s": round(t_fast, 2), "stepwise_s": round(t_slow, 2), "same": same}
         )
     )
-    return 0 if same else 1
+    checks = noisy_curves(seeds=args.curves) if args.curves else []
+    for c in checks:
+        print(json.dumps(c))
+    return 0 if same and all(c["same"] for c in checks) else 1
+
+
+def phases(run_dir: Path) -> dict:
+    """Seconds of each phase of check_run's work in this process (the imports are timed by `main` in a fresh one)."""
+    from pretrainer.observe import health, outlook
+
+    out, t = {}, time.perf_counter()
+    run = health.load_run(run_dir)
+    out["read_json"], t = time.perf_counter() - t, time.perf_counter()
+    warmup = run["recipe"]["schedule"]["warmup_steps"]
+    grace = [warmup] + [e["step"] for e in run["events"] if e["event"] == "stage_start" and e["step"] > 0]
+    spike_episodes([(s, health.as_float(v)) for s, v in run["losses"]], grace)
+    out["spike_replay"], t = time.perf_counter() - t, time.perf_counter()
+    health.report(run_dir, run=run)
+    out["report_incl_replay"], t = time.perf_counter() - t, time.perf_counter()
+    outlook.forecast_report(run_dir, run=run)
+    out["forecast"] = time.perf_counter() - t
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def noisy_curves(n: int = 60_000, seeds: int = 4) -> list[dict]:
+    """The fast replay against the step-by-step one on curves with Gaussian and heavy-tailed (t(3)) noise, small and
+    large bumps, NaN and stage starts."""
+    out = []
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        s = np.arange(1, n + 1)
+        noise = 0.02 * (rng.standard_t(3, n) if seed % 2 else rng.standard_normal(n))
+        loss = 3 + 3 / np.sqrt(s) + noise + 0.1 * (s > n // 2)
+        for at in rng.choice(np.arange(1000, n - 100), 5, replace=False):
+            loss[at : at + rng.integers(1, 6)] += rng.choice([0.05, 0.1, 0.5])
+        loss[rng.choice(n, 3)] = np.nan
+        curve, grace = list(zip(s.tolist(), loss.tolist())), [20, n // 2, 3 * n // 4]
+        t = time.perf_counter()
+        fast = spike_episodes(curve, grace)
+        t_fast = time.perf_counter() - t
+        t = time.perf_counter()
+        slow = spike_episodes_stepwise(curve, grace)
+        t_slow = time.perf_counter() - t
+        key = [(e["onset"], e["detected"], e["recovered"]) for e in fast]
+        same = key == [(e["onset"], e["detected"], e["recovered"]) for e in slow]
+        out.append(
+            {
+                "seed": seed,
+                "episodes": len(fast),
+                "same": same,
+                "fast_s": round(t_fast, 2),
+                "stepwise_s": round(t_slow, 2),
+            }
+        )
+    return out
 
 
 def _losses(run: Path):
