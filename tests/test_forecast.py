@@ -135,6 +135,9 @@ def test_a_real_run_forecasts_in_the_loop_and_in_check_run(tmp_path, cache_dir, 
     # evals at 5, 10, ...; the fit starts at step 6 (twice the warmup): the fourth usable point, 25, starts it
     assert rows and rows[0]["step"] == 25
     assert all(r["forecast/final_lo"] <= r["forecast/final"] <= r["forecast/final_hi"] for r in rows)
+    assert all(r["forecast/off_track"] in (0.0, 1.0) for r in rows)
+    off = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "off_track"]
+    assert len(off) <= sum(r["forecast/off_track"] for r in rows)  # an event only where a drift begins
     events = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "forecast"]
     # the decay is the last 3 steps: one eval (step 30) inside it is not yet a calibration
     assert len(events) == len(rows) and events[-1]["mode"] == "stable-phase only"

@@ -148,7 +148,8 @@ def verdict_lines(o: Outlook, target: float | None = None) -> list[str]:
 
 class Forecaster:
     """The in-loop part: after each eval, fit the law on the `val/ref` points so far (plus calibration curves) and
-    log `forecast/final`, `forecast/final_lo`, `forecast/final_hi` and a `forecast` event. Its state (the points)
+    log `forecast/final`, `forecast/final_lo`, `forecast/final_hi`, `forecast/off_track` and a `forecast` event
+    (and an `off_track` event when a drift begins). Its state (the points and whether it is off track)
     is checkpointed, so a resumed run forecasts from the same history."""
 
     def __init__(self, lr: np.ndarray, warmup: int, calibration: list[Curve] = ()):
