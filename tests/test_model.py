@@ -123,3 +123,45 @@ def test_compile_is_per_decoder_layer_and_keeps_the_model_plain():
     x = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         assert torch.allclose(eager(input_ids=x).logits, compiled(input_ids=x).logits, atol=1e-5)
+
+
+def test_a_compiled_decoder_layer_is_one_graph_on_the_training_path():
+    """`torch._dynamo.explain` on one decoder layer called as the training step calls it (rows as they are, and
+    per-document masks): one graph, no break. A break would split every layer's compiled forward."""
+    from torch import _dynamo
+
+    from pretrainer.model.build import decoder_layers
+    from pretrainer.model.masking import forward_of, model_inputs
+
+    model = _llama()
+    layer = decoder_layers(model)[0]
+    x = torch.randint(1, 64, (2, 32))
+    x[:, 10] = 0  # a document boundary (EOS id 0)
+    seen = {}
+    for masking in (False, True):
+        hook = layer.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True)
+        inputs = model_inputs(masking, 0, model.config._attn_implementation)(x)
+        with forward_of(inputs):
+            model(**inputs, use_cache=False)  # as train/step.py calls it
+        hook.remove()  # (not traced below)
+        _dynamo.reset()
+        out = _dynamo.explain(layer)(*seen["args"], **seen["kwargs"])
+        assert (out.graph_count, out.graph_break_count) == (1, 0), (masking, out.break_reasons)
+
+
+def test_compile_under_zero3_is_warned():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from pretrainer.train.build import compile_warning
+
+    def acc(kind, stage=None):
+        return SimpleNamespace(
+            distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=stage))
+        )
+
+    assert "ZeRO-3" in compile_warning(True, acc(DistributedType.DEEPSPEED, 3))
+    assert compile_warning(False, acc(DistributedType.DEEPSPEED, 3)) is None
+    assert compile_warning(True, acc(DistributedType.DEEPSPEED, 2)) is None
+    assert compile_warning(True, acc(DistributedType.NO)) is None

@@ -3,6 +3,7 @@ the optimizer, both prepared by Accelerate, and the LR controller."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +64,24 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
             "(accelerate_configs/ddp.yaml) or one process"
         )
     optimizer, fused, assignment = build_optimizer(model, opt)
+    if (why := compile_warning(recipe.model.compile, accelerator)) and accelerator.is_main_process:
+        print(f"warning: {why}", file=sys.stderr, flush=True)
     configure_deepspeed(accelerator, plan, grad_accum)
     model, optimizer = accelerator.prepare(model, optimizer)
     # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
     scheduler = LRController(optimizer, lr_lambda(recipe), opt.lr)
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
     return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss)
+
+
+def compile_warning(compile_: bool, accelerator) -> str | None:
+    """Why `model.compile` will not give one graph per decoder layer under this launch (None: it will)."""
+    if not compile_ or accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    if accelerator.state.deepspeed_plugin.zero_stage != 3:
+        return None
+    return (
+        "model.compile under DeepSpeed ZeRO-3: its hooks gather each module's parameters inside the layer's forward, "
+        "which breaks the compiled layer into many graphs (little gain, recompiles); ZeRO-1/2 or FSDP2 keep one "
+        "graph per layer, or set model.compile: false"
+    )
