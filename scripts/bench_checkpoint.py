@@ -3,8 +3,13 @@ path): how long a save blocks the loop (sync vs async), how long the per-rank ha
 the old single-process sha256 pass over the whole checkpoint cost.
 
     python scripts/bench_checkpoint.py --sizes 192x2,512x6,1024x8 --out /tmp/bench_ckpt
+    python scripts/bench_checkpoint.py --single --sizes 192x2,512x6,1024x8     # one process, the trainer's manager
 
 Each size runs in its own `torchrun --nproc_per_node 2`; one optimizer step first, so the Adam moments exist.
+`--single`: one process per size through `CheckpointManager` itself (what `run_recipe.py` does with
+`checkpoint.async: true` or false): how long `save()` blocks the loop, synchronous and in the background (median of
+3 saves after a first that allocates the snapshot buffers), and the live NaN/Inf check alone, which the background
+save used to run on the loop before its snapshot.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", default="192x2,512x6,1024x8", help="HIDDENxLAYERS,... (Llama, vocab 32000)")
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_ckpt"))
     p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--single", action="store_true", help="one process, the trainer's CheckpointManager")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -99,11 +105,85 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def single_worker(args) -> None:
+    import statistics
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate import Accelerator
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrainer.checkpoint import CheckpointManager, integrity
+    from pretrainer.recipe.sections import CheckpointSection
+
+    torch.manual_seed(0)
+    h = args.hidden
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=h,
+        intermediate_size=h * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, h // 64),
+        max_position_embeddings=64,
+    )
+    acc = Accelerator(cpu=True)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    x = torch.randint(0, 32000, (2, 64))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    log = SimpleNamespace(event=lambda *a, **k: None)
+    out = {"params": sum(p.numel() for p in model.parameters())}
+    t0 = time.perf_counter()
+    integrity.state_finite(model, opt).item()
+    out["live_check_s"] = time.perf_counter() - t0
+    for mode in ("sync", "async"):
+        section = CheckpointSection(keep_last=2, every_minutes=None, **{"async": mode == "async"})
+        mgr = CheckpointManager(acc, section, args.out / mode, model=model, optimizer=opt, log=log)
+        blocked = []
+        for step in range(1, 5):
+            mgr.save({"step": step, "tokens": step, "reason": "bench", "recipe": {}})
+            blocked.append(mgr.last_blocked)
+            mgr.finish()  # the write done before the next save, as minutes of training between saves would
+        out[f"{mode}_blocked_s"] = statistics.median(blocked[1:])  # the first allocates the snapshot buffers
+        out[f"{mode}_first_s"] = blocked[0]
+    last = sorted((args.out / "sync").glob("step_*"))[-1]
+    out["bytes"] = sum(f.stat().st_size for f in last.rglob("*") if f.is_file())
+    (args.out / "result.json").write_text(json.dumps(out))
+
+
+def single(args) -> int:
+    rows = []
+    for spec in args.sizes.split(","):
+        hidden, layers = (int(v) for v in spec.split("x"))
+        d = args.out / f"single_{spec}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        cmd = [sys.executable, __file__, "--worker", "--single", "--hidden", str(hidden), "--layers", str(layers)]
+        subprocess.run([*cmd, "--out", str(d)], check=True)
+        r = json.loads((d / "result.json").read_text())
+        rows.append((spec, r))
+        print(json.dumps({"size": spec, **r}), flush=True)
+        shutil.rmtree(d, ignore_errors=True)
+    print("\n| model | params | checkpoint | sync save blocks | background save blocks | ratio | live check (moved) |")
+    print("|---|---|---|---|---|---|---|")
+    for spec, r in rows:
+        ratio = r["async_blocked_s"] / r["sync_blocked_s"]
+        print(
+            f"| {spec} | {r['params'] / 1e6:.0f}M | {r['bytes'] / 1e9:.2f} GB | {r['sync_blocked_s']:.3f} s | "
+            f"{r['async_blocked_s']:.3f} s | {ratio:.1%} | {r['live_check_s']:.3f} s |"
+        )
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        worker(args)
+        single_worker(args) if args.single else worker(args)
         return 0
+    if args.single:
+        return single(args)
     rows = []
     for spec in args.sizes.split(","):
         hidden, layers = (int(v) for v in spec.split("x"))

@@ -180,3 +180,18 @@ def test_verify_shares_find_a_corrupt_file_whoever_owns_it(tmp_path, cache_dir, 
     found = [ck.verify(d, share=(r, world)) for r in range(world)]
     assert sum(bool(p) for p in found) == 1  # exactly the owner's share sees it, and the union says so
     assert any("optimizer.bin: xxh3_128 mismatch" in x for p in found for x in p)
+
+
+def test_a_background_save_checks_its_snapshot_for_nan(tmp_path, cache_dir):
+    """One process, `checkpoint.async`: the NaN/Inf check runs on the host copy in the writer thread, not on the
+    loop; a NaN put into the Adam moments after step 16's update is in step 16's checkpoint's record, and the NaN
+    loss that follows rolls back past it."""
+    out = tmp_path / "run"
+    sets = ["--set", "checkpoint.async=true", "--set", "debug.inject.nan_state_step=16"]
+    assert run_recipe.main(cli(out, cache_dir, *sets)) == 0
+    ev = read_jsonl(out / "events.jsonl")
+    saves = [(e["step"], e["state_finite"]) for e in ev if e["event"] == "checkpoint"]
+    assert saves[:4] == [(4, True), (8, True), (12, True), (16, False)], saves
+    rollbacks = [e for e in ev if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["to_step"] == 12
+    assert all(ck.verify(c.path) == [] for c in ck.list_checkpoints(out / "checkpoints"))

@@ -135,9 +135,14 @@ def state_tensors(model, optimizer) -> list[torch.Tensor]:
 def state_finite(model, optimizer) -> torch.Tensor:
     """1.0 when every value this rank holds is finite, else 0.0, on the device: one fused max-abs per device and
     dtype (no per-tensor host sync, no overflow as a sum of squares would have)."""
+    return tensors_finite(state_tensors(model, optimizer))
+
+
+def tensors_finite(ts: list[torch.Tensor]) -> torch.Tensor:
+    """1.0 when every floating value of `ts` is finite, else 0.0: one fused max-abs per device and dtype."""
     import torch
 
-    ts = state_tensors(model, optimizer)
+    ts = [t for t in ts if t.is_floating_point() and t.numel()]
     device = ts[0].device if ts else torch.device("cpu")
     if not ts:
         return torch.ones((), device=device)

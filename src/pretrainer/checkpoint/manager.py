@@ -118,8 +118,14 @@ class CheckpointManager:
             "saved_at": time.time(),
             "world_size": self.acc.num_processes,
             "model_config": self._model_config(),
-            "state_finite": self._state_finite(),
+            # one process, in the background: the writer checks its host copy (off the loop); else the live state
+            "state_finite": None if self._checks_snapshot() else self._state_finite(),
         }
+
+    def _checks_snapshot(self) -> bool:
+        """The NaN/Inf check runs on the background snapshot: one process holds the whole state and copies it all
+        (DDP ranks keep the live check: a replica that went bad alone is seen only on its own rank)."""
+        return self.async_ok and self.acc.num_processes == 1
 
     def _state_finite(self) -> bool:
         """Weights and optimizer state finite on every rank: one fused reduction per rank, one all-reduce."""
@@ -208,6 +214,8 @@ class CheckpointManager:
     def _write(self, snap: Snapshot, sides, tmp: Path, final: Path, meta: dict, t0: float, staged, protected) -> None:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
+            if meta["state_finite"] is None:
+                meta["state_finite"] = snap.finite()
             snap.write(tmp, 0)
             for write in sides:
                 write()

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from accelerate.checkpointing import save_accelerator_state
 
+from .integrity import tensors_finite
+
 
 class Snapshot:
     """A CPU copy of model + optimizer + RNG state, taken synchronously, written by a background thread."""
@@ -56,6 +58,11 @@ class Snapshot:
         }
         if torch.cuda.is_available():
             self.rng["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+
+    def finite(self) -> bool:
+        """Every copied weight and optimizer value finite: the save's NaN/Inf check, run on this host copy by the
+        writer thread instead of on the live state by the loop."""
+        return bool(tensors_finite(list(self.pool.values())).item() == 1.0)
 
     def write(self, directory: Path, process_index: int) -> None:
         """The same files, names and formats as Accelerate's save_state, so load_state reads them."""
