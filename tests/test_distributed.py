@@ -49,8 +49,9 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     lm_eval = "eval.lm_eval={tasks: [heldout_python_bpb], include_path: eval_tasks, limit: 8}"
     proc = launch("zero3.yaml", out, cache_dir, "--set", lm_eval)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    start = read_jsonl(out / "events.jsonl")[0]
-    assert start["event"] == "run_start" and start["world"] == 2  # accelerator.num_processes == 2
+    ev = read_jsonl(out / "events.jsonl")
+    start = ev[1]  # after the run's identity
+    assert ev[0]["event"] == "run_identity" and start["event"] == "run_start" and start["world"] == 2  # num_processes
     assert proc.stdout.count("run micro:") == 1 and proc.stdout.count("done.") == 1  # the main process alone
     assert "2 process(es)" in proc.stdout
     val = [m["val/avg"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m]
@@ -276,7 +277,7 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
     ref, out = tmp_path / "ref", tmp_path / "run"
     proc = run(ref)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert read_jsonl(ref / "events.jsonl")[0]["world"] == 2
+    assert next(e for e in read_jsonl(ref / "events.jsonl") if e["event"] == "run_start")["world"] == 2
     # real data parallelism: gradients averaged over the ranks, so the run equals one process on the whole batch
     # (Accelerate treats CPU ranks as unrelated processes unless told they are CPUs: each then trained alone)
     one = tmp_path / "one"

@@ -36,7 +36,7 @@ def _splits(out, manifest) -> dict:
     return {s: SplitTokens(out, s, manifest) for s in ("train", "val")}
 
 
-def test_engine_equals_inline_and_tasks_do_not_matter(setup, tmp_path):
+def test_engine_equals_inline_and_tasks_do_not_matter(setup, tmp_path, monkeypatch):
     recipe, tok, _ = setup
     a = _prepare(recipe, tok, tmp_path / "a")  # the trainer's in-process path: one task
     b = _prepare(recipe, tok, tmp_path / "b", executor="local", tasks=4, workers=2)  # datatrove's local executor
@@ -47,6 +47,13 @@ def test_engine_equals_inline_and_tasks_do_not_matter(setup, tmp_path):
     assert {k: v for k, v in a.items() if k not in drop} == {k: v for k, v in c.items() if k not in drop}
     assert a["val_docs"] >= 1 and a["train_docs"] > a["val_docs"]
     sa, sb = _splits(tmp_path / "a", a), _splits(tmp_path / "b", b)
+    monkeypatch.setattr("pretrainer.data.tokenfiles.INDEX_CHUNK", 3)  # chunk edges inside every file's index
+    for split in sa.values():  # long documents read file by file, chunk by chunk = from the whole table
+        whole = TokenArrays(split.tokens[:], split.doc_offsets)
+        for k in (1, 50, 400, 10**9):
+            assert np.array_equal(split.long_docs(k), whole.long_docs(k)), k
+        a_t, b_t = long_doc_windows(split, 64, 50, 3), long_doc_windows(whole, 64, 50, 3)
+        assert np.array_equal(a_t.starts, b_t.starts) and a_t.n_long == b_t.n_long > 0
     for part in ("train", "val"):
         x, y = sa[part], sb[part]
         assert np.array_equal(x.tokens[:], y.tokens[:]) and np.array_equal(x.doc_offsets, y.doc_offsets)

@@ -25,7 +25,7 @@ def test_micro_run_learns_and_exports(micro_recipe, tmp_path, cache_dir):
     assert {"step", "tokens", "stage", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(train[0])
     assert "val/stdlib" in val[-1]
     events = [e["event"] for e in read_jsonl(out / "events.jsonl")]
-    assert events[:3] == ["run_start", "optimizer", "stage_start"] and events[-1] == "run_end"
+    assert events[:4] == ["run_identity", "run_start", "optimizer", "stage_start"] and events[-1] == "run_end"
     assert (out / "recipe.resolved.yaml").exists()
 
     model = AutoModelForCausalLM.from_pretrained(out / "final")

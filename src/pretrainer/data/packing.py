@@ -34,13 +34,10 @@ def plain_windows(arr: TokenArrays, seq_len: int) -> WindowTable:
 
 def long_doc_windows(arr: TokenArrays, seq_len: int, min_tokens: int, upweight: int) -> WindowTable:
     """Windows aligned to the starts of long documents, long ones repeated `upweight` times."""
-    offsets = np.asarray(arr.doc_offsets, dtype=np.int64)
     total = len(arr.tokens)
-    lengths = np.diff(offsets)
     plain, long = [], []
     pos = 0
-    for d in np.flatnonzero(lengths >= min_tokens):
-        s, e = int(offsets[d]), int(offsets[d + 1])
+    for s, e in arr.long_docs(min_tokens).tolist():  # only the long documents' bounds: never a table of all of them
         if s >= pos:
             n_plain = (s - pos) // seq_len
             plain.append(pos + seq_len * np.arange(n_plain, dtype=np.int64))

@@ -244,10 +244,10 @@ class StageBatches:
         mine = idx[rank * per_rank : (rank + 1) * per_rank]
         rows = self.rows_for(mine)
         mb = self.span.micro_batch_size
-        batches = [torch.from_numpy(np.stack(rows[j : j + mb]).astype(np.int64)) for j in range(0, len(rows), mb)]
-        if self.vocab is not None and max(int(b.max()) for b in batches) >= self.vocab:  # host arrays: no sync
+        stacked = [np.stack(rows[j : j + mb]) for j in range(0, len(rows), mb)]
+        if self.vocab is not None and max(int(x.max()) for x in stacked) >= self.vocab:  # numpy, before any tensor
             self._foreign_id(mine, rows)
-        return batches, new_cursor, (idx[0], idx[-1])
+        return [torch.from_numpy(x.astype(np.int64)) for x in stacked], new_cursor, (idx[0], idx[-1])
 
     def _foreign_id(self, indices: list[int], rows: list[np.ndarray]) -> None:
         for i, row in zip(indices, rows, strict=True):

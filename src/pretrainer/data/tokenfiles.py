@@ -69,6 +69,10 @@ def check_sizes(paths: list[Path], split: str, manifest: dict) -> None:
             )
 
 
+INDEX_CHUNK = 1 << 20
+"""Document-index entries read at once when scanning for long documents: 8 MB, whatever the source's size."""
+
+
 class SplitTokens:
     """One split (train or val) of a prepared source: the interface of `tokens.TokenArrays`, backed by files."""
 
@@ -89,7 +93,8 @@ class SplitTokens:
 
     @functools.cached_property
     def doc_offsets(self) -> np.ndarray:
-        """Start of each document in `tokens`, plus the end (n_docs + 1 entries)."""
+        """Start of each document in `tokens`, plus the end (n_docs + 1 entries): held in memory (8 bytes per
+        document), for tools and tests; the training path reads `long_docs` instead."""
         ends, base = [np.zeros(1, dtype=np.int64)], 0
         for p in self.token_paths:
             idx = Path(f"{p}.index")
@@ -97,6 +102,28 @@ class SplitTokens:
             ends.append(e + base)
             base += p.stat().st_size // self.tokens.dtype.itemsize
         return np.concatenate(ends)
+
+    def long_docs(self, min_tokens: int) -> np.ndarray:
+        """(start, end) of each document of at least `min_tokens` tokens, in order: shape (k, 2). Each file's index is
+        read memory-mapped, `INDEX_CHUNK` entries at a time, so a rank holds the long documents only, never a table
+        of every document (8 bytes each: 0.8 GB at 100M documents, on every rank)."""
+        out, base = [], 0
+        for p in self.token_paths:
+            idx = Path(f"{p}.index")
+            if idx.stat().st_size:
+                ends = np.memmap(idx, dtype="<u8", mode="r")
+                for lo in range(0, len(ends), INDEX_CHUNK):
+                    e = np.asarray(ends[lo : lo + INDEX_CHUNK], dtype=np.int64)
+                    s = np.empty_like(e)
+                    s[0], s[1:] = (
+                        (int(ends[lo - 1]) if lo else 0),
+                        e[:-1],
+                    )  # a file's documents end where the next begins
+                    keep = (e - s) >= min_tokens
+                    out.append(np.stack([s[keep] + base, e[keep] + base], axis=1))
+                del ends
+            base += p.stat().st_size // self.tokens.dtype.itemsize
+        return np.concatenate(out) if out else np.zeros((0, 2), dtype=np.int64)
 
     def num_windows(self, seq_len: int) -> int:
         return len(self.tokens) // seq_len

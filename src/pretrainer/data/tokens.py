@@ -28,6 +28,12 @@ class TokenArrays:
     def num_windows(self, seq_len: int) -> int:
         return len(self.tokens) // seq_len
 
+    def long_docs(self, min_tokens: int) -> np.ndarray:
+        """(start, end) of each document of at least `min_tokens` tokens, in order: shape (k, 2)."""
+        offs = np.asarray(self.doc_offsets, dtype=np.int64)
+        keep = np.flatnonzero(np.diff(offs) >= min_tokens)
+        return np.stack([offs[keep], offs[keep + 1]], axis=1)
+
     def window(self, j: int, seq_len: int) -> np.ndarray:
         """The j-th packed sequence: contiguous tokens, crossing document boundaries at EOS."""
         return self.tokens[j * seq_len : (j + 1) * seq_len]

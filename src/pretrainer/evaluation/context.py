@@ -115,8 +115,7 @@ def long_rows(splits: dict[str, object], window: int, max_docs: int) -> list[np.
     source's documents in order) until `max_docs`. Reads only the chosen documents' tokens."""
     per_source = []
     for split in splits.values():
-        offs = split.doc_offsets
-        starts = offs[:-1][np.diff(offs) >= window][:max_docs]
+        starts = split.long_docs(window)[:max_docs, 0]
         per_source.append([split.tokens[int(s) : int(s) + window] for s in starts])
     return round_robin(per_source, max_docs)
 

@@ -38,7 +38,9 @@ class ModelSection(Section):
     kernels: Literal["none", "liger"] = "none"
     """`liger`: liger-kernel's fused RMSNorm, RoPE, SwiGLU, linear cross-entropy (NVIDIA GPU and liger-kernel)."""
     compile: bool = False
-    """torch.compile each decoder layer (on in the GPU recipes; minutes of compile time on a CPU)."""
+    """torch.compile each decoder layer (on in the GPU recipes; minutes of compile time on a CPU). One graph per layer,
+    no graph break, with and without document masking (`torch._dynamo.explain`, tests/test_model.py); under DeepSpeed
+    ZeRO-3 its parameter hooks break the layer's graph, and the run warns at start."""
     trust_remote_code: bool = False
     """Only needed for hub model types that transformers does not ship; off unless asked for."""
 
@@ -313,8 +315,9 @@ class CheckpointSection(Section):
     """Write in the background, blocking only for the copy to host memory (single process/DDP: a snapshot on the main
     process; FSDP: DCP's staging on every rank). DeepSpeed saves synchronously (README, "Background saves")."""
     remote: str | None = None
-    """fsspec URL (s3://bucket/run, file:///mnt/backup) each verified checkpoint is copied to, in the background, with
-    the same retention; `--resume auto` falls back to it when no local checkpoint is valid."""
+    """fsspec URL (s3://bucket/run, file:///mnt/backup) each verified checkpoint is copied to (into
+    `<remote>/<run_id>/`), in the background, with the same retention; `--resume auto` falls back to the remote's run
+    (`<remote>/run_id`) when no local checkpoint is valid."""
 
     @field_validator("keep_last")
     @classmethod
