@@ -36,18 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def worker(args) -> None:
+def llama(args):
+    """The benchmark's model: a Llama of `--hidden` x `--layers` with a 32,000 vocabulary, seeded."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pretrainer.checkpoint import commit, integrity
-    from pretrainer.checkpoint import format as ck
-    from pretrainer.checkpoint.dcp import DcpCheckpointer
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     h = args.hidden
     cfg = LlamaConfig(
@@ -58,7 +51,21 @@ def worker(args) -> None:
         num_attention_heads=max(1, h // 64),
         max_position_embeddings=64,
     )
-    model = LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from pretrainer.checkpoint import commit, integrity
+    from pretrainer.checkpoint import format as ck
+    from pretrainer.checkpoint.dcp import DcpCheckpointer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = llama(args)
     n_params = sum(p.numel() for p in model.parameters())
     for layer in model.model.layers:
         fully_shard(layer)
@@ -111,23 +118,12 @@ def single_worker(args) -> None:
 
     import torch
     from accelerate import Accelerator
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from pretrainer.checkpoint import CheckpointManager, integrity
     from pretrainer.recipe.sections import CheckpointSection
 
-    torch.manual_seed(0)
-    h = args.hidden
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=h,
-        intermediate_size=h * 2,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, h // 64),
-        max_position_embeddings=64,
-    )
     acc = Accelerator(cpu=True)
-    model = LlamaForCausalLM(cfg)
+    model = llama(args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = acc.prepare(model, opt)
     x = torch.randint(0, 32000, (2, 64))
