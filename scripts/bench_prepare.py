@@ -10,6 +10,12 @@ RSS over the preparing process and all its children, sampled every 50 ms: it mus
 
 One document of each size (words and line breaks, one jsonl line), prepared in-process as the trainer does; peak
 memory with the pieces (`PIECE_CHARS`) and, with `--whole`, as it was before them (the whole text in one encode).
+
+    python scripts/bench_prepare.py --keys-mb 64,256,1024 --out /tmp/bench_prepare
+
+A source's content key at each size of raw files (8 MB each, written more than `RACY_S` before): without the digest
+cache (every file read, as every start on every rank did), with a cold cache (read once and recorded), and warm
+(a restart: one stat per file).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="/tmp/bench_prepare", help="work folder (data, tokenizer, token files)")
     p.add_argument("--huge-mb", help="comma-separated sizes of ONE document, in MB (instead of --sizes-mb)")
     p.add_argument("--whole", action="store_true", help="with --huge-mb: also tokenize each document whole")
+    p.add_argument("--keys-mb", help="comma-separated sizes of raw files, in MB: the content key's cost")
     p.add_argument("--child", nargs=2, metavar=("DATA_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
     p.add_argument("--child-huge", nargs=3, metavar=("DATA_DIR", "OUT_DIR", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -173,6 +180,33 @@ def measured(cmd: list[str], what: str) -> tuple[dict, list[int]]:
     return json.loads(stdout.strip().splitlines()[-1]), peak
 
 
+def keys(args) -> int:
+    import os
+
+    from pretrainer.data import sources
+    from pretrainer.recipe.sections import SourceSection
+
+    print("| raw files | files | no cache | cold cache | warm cache (a restart) |")
+    print("|---|---|---|---|---|")
+    for mb in [int(x) for x in args.keys_mb.split(",")]:
+        data = Path(args.out) / f"raw-{mb}"
+        subprocess.run(["rm", "-rf", str(data)], check=True)
+        data.mkdir(parents=True)
+        for i in range(max(1, mb // 8)):
+            (data / f"f{i:05d}.txt").write_bytes(os.urandom(8 << 20))
+        time.sleep(sources.RACY_S + 0.5)  # older than the racy window, as a source is at a restart
+        src, cache = SourceSection(type="files", include=[str(data / "*.txt")]), data / "cache"
+        times = {}
+        for label, cache_dir in (("none", None), ("cold", cache), ("warm", cache)):
+            t0 = time.perf_counter()
+            sources.source_key("raw", src, cache_dir=cache_dir, validation_fraction=0.02)
+            times[label] = time.perf_counter() - t0
+        n = len(list(data.glob("*.txt")))
+        print(f"| {mb} MB | {n} | {times['none']:.3f} s | {times['cold']:.3f} s | {times['warm']:.4f} s |", flush=True)
+        subprocess.run(["rm", "-rf", str(data)], check=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -183,6 +217,8 @@ def main(argv=None) -> int:
         return 0
     if args.huge_mb:
         return huge(args)
+    if args.keys_mb:
+        return keys(args)
     rows = []
     for mb in [float(s) for s in args.sizes_mb.split(",")]:
         data, out = Path(args.out) / f"data-{mb:g}", Path(args.out) / f"tokens-{mb:g}"

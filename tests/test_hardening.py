@@ -167,6 +167,35 @@ def test_cache_key_follows_content_and_split(tmp_path):
     assert source_key("d", src, validation_fraction=0.05) != source_key("d", src, validation_fraction=0.02)
 
 
+def test_file_hashes_are_cached_by_stat_identity_and_never_trusted_when_racy(tmp_path, monkeypatch):
+    """A restart stats the files instead of hashing them; an edit that keeps size and mtime still changes the key
+    (the ctime moves), and a hash taken within RACY_S of the file's last change is taken again next time."""
+    from pretrainer.data import sources
+
+    cache = tmp_path / "cache"
+    files = [tmp_path / f"d{i}.jsonl" for i in range(3)]
+    for f in files:
+        f.write_text('{"text": "aaaa"}\n')
+    src = SourceSection(type="files", include=[str(tmp_path / "*.jsonl")])
+    hashed = []
+    real = sources.file_digest
+    monkeypatch.setattr(sources, "file_digest", lambda p: hashed.append(p.name) or real(p))
+    key = source_key("d", src, cache_dir=cache, validation_fraction=0.02)
+    assert len(hashed) == 3 and (cache / sources.DIGESTS).exists()
+    assert key == source_key("d", src, validation_fraction=0.02)  # the cache is not part of the key
+    assert len(hashed) == 6  # (without a cache everything is hashed again)
+    source_key("d", src, cache_dir=cache, validation_fraction=0.02)
+    assert len(hashed) == 9  # racy: hashed within RACY_S of their last change, so not trusted yet
+    monkeypatch.setattr(sources, "RACY_S", -60.0)  # as if the files had been written long before
+    source_key("d", src, cache_dir=cache, validation_fraction=0.02)
+    hashed.clear()
+    assert source_key("d", src, cache_dir=cache, validation_fraction=0.02) == key and hashed == []  # stat only
+    st = files[1].stat()
+    files[1].write_text('{"text": "bbbb"}\n')  # same size, mtime restored as cp -p / rsync -a do
+    os.utime(files[1], ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert source_key("d", src, cache_dir=cache, validation_fraction=0.02) != key and hashed == ["d1.jsonl"]
+
+
 def test_numbers_in_the_text_field_are_one_line(tmp_path, capsys):
     data = tmp_path / "nums.jsonl"
     data.write_text("".join(json.dumps({"text": i}) + "\n" for i in range(50)))

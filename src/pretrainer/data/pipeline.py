@@ -35,15 +35,18 @@ def used_sources(recipe: Recipe) -> list[str]:
     return [n for n in recipe.data.sources if n in used]
 
 
+def key_settings(recipe: Recipe) -> dict:
+    """What `source_key` needs beside the source: the settings that change its arrays, and the digest cache's home."""
+    return {"validation_fraction": recipe.data.validation_fraction, "cache_dir": recipe.data.cache_dir}
+
+
 def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
     """The recipe's tokenizer; a trained one is built on first use and cached by content."""
     section = recipe.tokenizer
     if section.path is not None:
         return load_tokenizer(section, trust_remote_code=recipe.model.trust_remote_code)
     names = section.train.sources or used_sources(recipe)
-    keys = {
-        n: source_key(n, recipe.data.sources[n], validation_fraction=recipe.data.validation_fraction) for n in names
-    }
+    keys = {n: source_key(n, recipe.data.sources[n], **key_settings(recipe)) for n in names}
 
     def corpus():
         # Learn from training documents only: held-out documents stay unseen by everything.
@@ -104,7 +107,7 @@ def preparation_lock(cache_dir: str | Path, enabled: bool = True) -> Iterator[No
 
 def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
     """Where a source's token files live: keyed by the source's content and the tokenizer."""
-    key = source_key(name, recipe.data.sources[name], validation_fraction=recipe.data.validation_fraction)
+    key = source_key(name, recipe.data.sources[name], **key_settings(recipe))
     return Path(recipe.data.cache_dir) / "tokens" / f"{name}-{key}-{tokenizer_fingerprint(tokenizer)}"
 
 
@@ -152,7 +155,7 @@ def prepared_tokens(recipe: Recipe) -> dict[str, int]:
     needs the network): the newest prepared directory with the source's content key. Unprepared sources are absent."""
     out = {}
     for name in used_sources(recipe):
-        key = source_key(name, recipe.data.sources[name], validation_fraction=recipe.data.validation_fraction)
+        key = source_key(name, recipe.data.sources[name], **key_settings(recipe))
         found = sorted(
             Path(recipe.data.cache_dir, "tokens").glob(f"{name}-{key}-*/manifest.json"),
             key=lambda p: p.stat().st_mtime,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import sysconfig
+import time
 from pathlib import Path
 
 from ..errors import DataError
@@ -45,13 +47,68 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def source_key(name: str, src: SourceSection, **settings) -> str:
+DIGESTS = "file_digests.json"
+"""Under `data.cache_dir`: each local file's content hash with the stat identity it was taken at."""
+RACY_S = 2.0
+"""A hash taken less than this after the file's last change is not trusted later: a same-size edit within a coarse
+timestamp's tick (1 s on some network filesystems) would keep every stat field (git's "racy" rule)."""
+
+
+class DigestCache:
+    """Content hashes of local files, re-hashed only when a file's stat identity changed: size, mtime, ctime and
+    inode (with the path). A copy that kept size and mtime (cp -p, rsync -a, tar) is a new inode with a new ctime, and nothing
+    short of the system clock sets ctime back, so an unchanged identity is unchanged content. Kept in one JSON file
+    (written atomically when something new was hashed), so a restart stats every file instead of reading them all
+    (1 TB: ~30 CPU-minutes of hashing per start, per rank); the main process hashes first, the other ranks read."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.entries, self.dirty = path, {}, False
+        if path is not None and path.exists():
+            try:
+                self.entries = json.loads(path.read_text())
+            except (OSError, ValueError):
+                self.entries = {}  # a damaged cache is only a cold one
+
+    def digest(self, path: Path) -> str:
+        st = path.stat()
+        ident = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]  # not st_dev: NFS clients number it apart
+        key = str(path.resolve())
+        e = self.entries.get(key)
+        if (
+            isinstance(e, dict)
+            and e.get("stat") == ident
+            and e.get("hashed_at", 0) > max(st.st_mtime, st.st_ctime) + RACY_S
+        ):
+            return e["digest"]
+        now = time.time()
+        d = file_digest(path)
+        self.entries[key] = {"stat": ident, "digest": d, "hashed_at": now}
+        self.dirty = True
+        return d
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.path)
+            self.dirty = False
+        except OSError:
+            pass  # a read-only cache directory: the next start hashes again, nothing is wrong
+
+
+def source_key(name: str, src: SourceSection, cache_dir: str | Path | None = None, **settings) -> str:
     """A content key for caching: the source's config, every setting that changes its arrays (`settings`, e.g. the
-    validation fraction) and, for local files, each file's path and content hash."""
+    validation fraction) and, for local files, each file's path and content hash (re-hashed only when its stat
+    identity changed, with `cache_dir`: `DigestCache`)."""
     spec: dict = {"name": name, "source": src.model_dump(), "settings": settings}
     if src.type in ("files", "python_stdlib"):
+        cache = DigestCache(Path(cache_dir) / DIGESTS if cache_dir is not None else None)
         try:
-            spec["files"] = [(str(p), file_digest(p)) for p in resolve_files(name, src)]
+            spec["files"] = [(str(p), cache.digest(p)) for p in resolve_files(name, src)]
         except OSError as e:
             raise DataError(f"data.sources.{name}: cannot read {e.filename}: {e.strerror}") from None
+        cache.save()
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
