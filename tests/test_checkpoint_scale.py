@@ -79,12 +79,12 @@ def run_id(out) -> str:
 
 def test_remote_copy_follows_retention_and_serves_a_replaced_node(tmp_path, cache_dir):
     bucket = tmp_path / "bucket" / "run"
-    out = tmp_path / "node1"
+    out = tmp_path / "node1" / "run"
     url = ["--set", f"checkpoint.remote=file://{bucket}", "--set", "checkpoint.keep_last=2"]
     assert run_recipe.main(cli(out, cache_dir, *url)) == 0
     rid = run_id(out)
-    remote = bucket / rid  # the run's own directory there; the remote names its owner
-    assert (bucket / "run_id").read_text() == rid
+    remote = bucket / rid  # the run's own directory there; the remote names the run of each directory name
+    assert (bucket / "owner-run").read_text() == rid
     local = sorted(c.path.name for c in ck.list_checkpoints(out / "checkpoints"))
     assert sorted(p.name for p in remote.iterdir()) == local == ["step_00000016", "step_00000020"]
     ev = read_jsonl(out / "events.jsonl")
@@ -98,7 +98,7 @@ def test_remote_copy_follows_retention_and_serves_a_replaced_node(tmp_path, cach
         assert ck.read_meta(d)["run_id"] == rid
     before = step_losses(out)
     (remote / "step_00000020" / ck.MANIFEST).unlink()  # its upload died before the manifest: never fetched
-    node = tmp_path / "node2"  # the node is gone; its replacement has an empty run directory
+    node = tmp_path / "node2" / "run"  # the node is gone; its replacement runs the same command, directory empty
     assert run_recipe.main(cli(node, cache_dir, *url, "--resume", "auto")) == 0
     assert run_id(node) == rid  # it continues the remote's run
     ev = read_jsonl(node / "events.jsonl")
@@ -123,10 +123,10 @@ def test_nothing_crosses_run_identities(tmp_path, cache_dir, capsys):
     old = run_id(out)
     assert run_recipe.main(cli(out, cache_dir, *url, "--overwrite", "--set", "stages.0.steps=12")) == 0
     new = run_id(out)
-    assert new != old and (bucket / "run_id").read_text() == new
+    assert new != old and (bucket / "owner-run").read_text() == new
     assert (bucket / old / "step_00000020").is_dir()  # the old run's copies are neither pruned nor overwritten
     assert json.loads((out / "final" / "provenance.json").read_text())["run_id"] == new
-    node = tmp_path / "node2"
+    node = tmp_path / "node2" / "run"  # a replaced node: the same --output-dir, empty
     assert run_recipe.main(cli(node, cache_dir, *url, "--resume", "auto", "--set", "stages.0.steps=12")) == 0
     ev = read_jsonl(node / "events.jsonl")
     assert [e["path"] for e in ev if e["event"] == "remote_fetch"][0].endswith(f"{new}/step_00000012")
@@ -137,8 +137,10 @@ def test_nothing_crosses_run_identities(tmp_path, cache_dir, capsys):
     assert f"a checkpoint of run {old}, not of this run ({new})" in one_line_error(capsys)
     branch = tmp_path / "branch"
     for _ in range(2):  # the branch command, repeated, resumes the same checkpoint again
-        assert run_recipe.main(cli(branch, cache_dir, "--resume", foreign)) == 0
+        assert run_recipe.main(cli(branch, cache_dir, *url, "--resume", foreign)) == 0
         assert json.loads((branch / "run.json").read_text())["parent"] == old
+    assert (bucket / "owner-run").read_text() == new  # the branch claimed its own directory name, not the run's
+    assert (bucket / "owner-branch").read_text() == run_id(branch)
     assert export_checkpoint.main([foreign, str(out / "final")]) == 2
     assert f"holds a model exported from run {new}, and this checkpoint is of run {old}" in one_line_error(capsys)
 

@@ -7,9 +7,9 @@ are each recognised as another run's.
 Where a run's id comes from, in order (main process; every rank gets the main process's):
 1. the directory's `run.json` (the run continues);
 2. the newest local checkpoint's meta (a directory copied without its `run.json`);
-3. with `--resume auto`, the remote's owner (`checkpoint.remote/run_id`): a replaced node, whose directory is empty,
-   continues the run that last claimed the remote;
-4. a new id (a new run; it claims the remote).
+3. with `--resume auto`, the remote's owner of the directory's name (`checkpoint.remote/owner-<dir name>`): a
+   replaced node, whose directory is empty, continues the run that last started in a directory of that name;
+4. a new id (a new run; it claims its directory name on the remote).
 
 A checkpoint of another run is resumed only by a new run directory (a branch, e.g. `--branch-decay-from`): its id
 is the new run's `parent`, so repeating the branch command resumes it again. Checkpoints and exports written before

@@ -2,9 +2,9 @@
 path), uploaded in the background by the main process; retention there follows the local rules; `--resume auto`
 copies the newest remote checkpoint that verifies when the local directory has none (a replaced node).
 
-Each run has its own directory there, `<remote>/<run_id>/step_N/`, and `<remote>/run_id` names the run that last
-started on the remote (its owner): a replaced node, whose directory is empty, continues the owner; another run's
-copies are never fetched, pruned or overwritten (checkpoint/identity.py).
+Each run has its own directory there, `<remote>/<run_id>/step_N/`, and `<remote>/owner-<dir name>` names the run that
+last started in a run directory of that name (`--output-dir`'s last component): a replaced node, whose directory is
+empty, continues that run; another run's copies are never fetched, pruned or overwritten (checkpoint/identity.py).
 
 Object stores have no atomic rename, so the remote protocol is "manifest last": a checkpoint's files are uploaded
 first, its `manifest.json` after them; a remote directory without one is an unfinished upload, never fetched, and
@@ -14,6 +14,7 @@ removed by retention. A fetched checkpoint is verified (sizes and hashes) before
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -41,7 +42,11 @@ def check_remote(url: str) -> None:
     _fs(url)
 
 
-OWNER = "run_id"
+def owner_file(run_dir: str | Path) -> str:
+    """The file on the remote naming the run that last started in a run directory of this name (`owner-<name>`): a
+    replaced node runs the same command with the same `--output-dir`, so it finds its run there; a branch or another
+    run sharing the remote under another directory name has its own."""
+    return "owner-" + re.sub(r"[^A-Za-z0-9._-]", "_", Path(run_dir).resolve().name or "run")
 
 
 def run_url(url: str, run_id: str) -> str:
@@ -49,31 +54,32 @@ def run_url(url: str, run_id: str) -> str:
     return f"{url.rstrip('/')}/{run_id}"
 
 
-def remote_owner(url: str) -> str | None:
-    """The id of the run that last claimed the remote (None: none has, or it cannot be read).
+def remote_owner(url: str, run_dir: str | Path) -> str | None:
+    """The id of the run that last started in a directory of `run_dir`'s name with this remote (None: none has).
 
     Raises:
         PretrainerError: the remote cannot be read at all (a replaced node must not start a new run unknowingly)."""
     fs, root = _fs(url)
     try:
-        return fs.cat_file(f"{root}/{OWNER}").decode().strip() or None
+        return fs.cat_file(f"{root}/{owner_file(run_dir)}").decode().strip() or None
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
         raise PretrainerError(f"--resume auto: checkpoint.remote {url} cannot be read: {first_line(e)}") from None
 
 
-def claim(url: str, run_id: str) -> str | None:
-    """Name this run the remote's owner; the previous owner (None: none). A failure is the caller's to report: the
-    run's copies still go to its own directory."""
+def claim(url: str, run_dir: str | Path, run_id: str) -> str | None:
+    """Name this run the owner of `run_dir`'s name on the remote; the previous owner (None: none). A failure is the
+    caller's to report: the run's copies still go to its own directory."""
     fs, root = _fs(url)
+    path = f"{root}/{owner_file(run_dir)}"
     try:
-        before = fs.cat_file(f"{root}/{OWNER}").decode().strip() or None
+        before = fs.cat_file(path).decode().strip() or None
     except FileNotFoundError:
         before = None
     if before != run_id:
         fs.makedirs(root, exist_ok=True)
-        fs.pipe_file(f"{root}/{OWNER}", run_id.encode())
+        fs.pipe_file(path, run_id.encode())
     return before
 
 

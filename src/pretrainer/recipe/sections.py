@@ -316,8 +316,8 @@ class CheckpointSection(Section):
     process; FSDP: DCP's staging on every rank). DeepSpeed saves synchronously (README, "Background saves")."""
     remote: str | None = None
     """fsspec URL (s3://bucket/run, file:///mnt/backup) each verified checkpoint is copied to (into
-    `<remote>/<run_id>/`), in the background, with the same retention; `--resume auto` falls back to the remote's run
-    (`<remote>/run_id`) when no local checkpoint is valid."""
+    `<remote>/<run_id>/`), in the background, with the same retention; `--resume auto` falls back to the run that last
+    started in a directory of the same name (`<remote>/owner-<dir name>`) when no local checkpoint is valid."""
 
     @field_validator("keep_last")
     @classmethod

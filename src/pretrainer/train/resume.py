@@ -31,18 +31,18 @@ def choose_checkpoint(store: CheckpointManager, spec: str, ledger: dict | None) 
 
 
 def run_identity(acc, run_dir: Path, resume: str, remote: str | None, log) -> Identity:
-    """The run's identity, decided by the main process and given to every rank; the run claims the remote (a
-    failed claim is a warning: the run's copies still go to its own directory there, only a replaced node would
-    not find them without `run.json`)."""
+    """The run's identity, decided by the main process and given to every rank; the run claims its directory's name
+    on the remote (a failed claim is a warning: the run's copies still go to its own directory there, only a replaced
+    node would not find them without `run.json`)."""
     ident, error, before = None, None, None
     if acc.is_main_process:
         try:
-            ident = establish(run_dir, resume, lambda: remote_owner(remote) if remote else None)
+            ident = establish(run_dir, resume, lambda: remote_owner(remote, run_dir) if remote else None)
         except PretrainerError as e:
             error = str(e)
         if ident is not None and remote:
             try:
-                before = claim(remote, ident.run_id)
+                before = claim(remote, run_dir, ident.run_id)
             except Exception as e:  # noqa: BLE001 - any fsspec backend's error; the uploads will report theirs
                 print(
                     f"warning: checkpoint.remote {remote}: could not claim it for run {ident.run_id}: {first_line(e)}",
