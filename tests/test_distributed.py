@@ -205,6 +205,7 @@ def test_fsdp_on_cpu_processes_stops_instead_of_training_ddp(tmp_path, cache_dir
     assert not (tmp_path / "fsdp" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # a variation (DeepSpeed's own loader); the default suite keeps test_hardening's loaders' refusal
 @pytest.mark.distributed
 def test_crafted_deepspeed_checkpoint_never_runs_code(tmp_path, cache_dir):
     """A ZeRO shard replaced by a pickle that runs a command, with a manifest that matches it: --resume and export
