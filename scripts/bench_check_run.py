@@ -155,9 +155,7 @@ def phases(run_dir: Path) -> dict:
     out, t = {}, time.perf_counter()
     run = health.load_run(run_dir)
     out["read_json"], t = time.perf_counter() - t, time.perf_counter()
-    warmup = run["recipe"]["schedule"]["warmup_steps"]
-    grace = [warmup] + [e["step"] for e in run["events"] if e["event"] == "stage_start" and e["step"] > 0]
-    spike_episodes([(s, health.as_float(v)) for s, v in run["losses"]], grace)
+    spike_episodes([(s, health.as_float(v)) for s, v in run["losses"]], health.grace_starts(run))
     out["spike_replay"], t = time.perf_counter() - t, time.perf_counter()
     health.report(run_dir, run=run)
     out["report_incl_replay"], t = time.perf_counter() - t, time.perf_counter()

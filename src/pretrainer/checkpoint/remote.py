@@ -61,11 +61,16 @@ def remote_owner(url: str, run_dir: str | Path) -> str | None:
         PretrainerError: the remote cannot be read at all (a replaced node must not start a new run unknowingly)."""
     fs, root = _fs(url)
     try:
-        return fs.cat_file(f"{root}/{owner_file(run_dir)}").decode().strip() or None
-    except FileNotFoundError:
-        return None
+        return _read_owner(fs, f"{root}/{owner_file(run_dir)}")
     except (OSError, UnicodeDecodeError) as e:
         raise PretrainerError(f"--resume auto: checkpoint.remote {url} cannot be read: {first_line(e)}") from None
+
+
+def _read_owner(fs, path: str) -> str | None:
+    try:
+        return fs.cat_file(path).decode().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def claim(url: str, run_dir: str | Path, run_id: str) -> str | None:
@@ -73,11 +78,7 @@ def claim(url: str, run_dir: str | Path, run_id: str) -> str | None:
     caller's to report: the run's copies still go to its own directory."""
     fs, root = _fs(url)
     path = f"{root}/{owner_file(run_dir)}"
-    try:
-        before = fs.cat_file(path).decode().strip() or None
-    except FileNotFoundError:
-        before = None
-    if before != run_id:
+    if (before := _read_owner(fs, path)) != run_id:
         fs.makedirs(root, exist_ok=True)
         fs.pipe_file(path, run_id.encode())
     return before

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
+from .tokens import long_bounds
 
 
 class TokenFiles:
@@ -113,14 +114,10 @@ class SplitTokens:
             if idx.stat().st_size:
                 ends = np.memmap(idx, dtype="<u8", mode="r")
                 for lo in range(0, len(ends), INDEX_CHUNK):
-                    e = np.asarray(ends[lo : lo + INDEX_CHUNK], dtype=np.int64)
-                    s = np.empty_like(e)
-                    s[0], s[1:] = (
-                        (int(ends[lo - 1]) if lo else 0),
-                        e[:-1],
-                    )  # a file's documents end where the next begins
-                    keep = (e - s) >= min_tokens
-                    out.append(np.stack([s[keep] + base, e[keep] + base], axis=1))
+                    bounds = np.empty(min(INDEX_CHUNK, len(ends) - lo) + 1, dtype=np.int64)
+                    bounds[0] = int(ends[lo - 1]) if lo else 0  # a file's documents end where the next begins
+                    bounds[1:] = ends[lo : lo + INDEX_CHUNK]
+                    out.append(long_bounds(bounds, min_tokens) + base)
                 del ends
             base += p.stat().st_size // self.tokens.dtype.itemsize
         return np.concatenate(out) if out else np.zeros((0, 2), dtype=np.int64)

@@ -13,6 +13,13 @@ if TYPE_CHECKING:  # annotations only: keeps transformers (and torch) out of the
     from transformers import PreTrainedTokenizerBase
 
 
+def long_bounds(bounds: np.ndarray, min_tokens: int) -> np.ndarray:
+    """(start, end) of the documents of at least `min_tokens` tokens among consecutive ones, given their boundaries
+    (the first start, then each end): shape (k, 2)."""
+    keep = np.flatnonzero(np.diff(bounds) >= min_tokens)
+    return np.stack([bounds[keep], bounds[keep + 1]], axis=1)
+
+
 @dataclass
 class TokenArrays:
     """One split of one source: tokens of all documents back to back, each followed by EOS."""
@@ -30,9 +37,7 @@ class TokenArrays:
 
     def long_docs(self, min_tokens: int) -> np.ndarray:
         """(start, end) of each document of at least `min_tokens` tokens, in order: shape (k, 2)."""
-        offs = np.asarray(self.doc_offsets, dtype=np.int64)
-        keep = np.flatnonzero(np.diff(offs) >= min_tokens)
-        return np.stack([offs[keep], offs[keep + 1]], axis=1)
+        return long_bounds(np.asarray(self.doc_offsets, dtype=np.int64), min_tokens)
 
     def window(self, j: int, seq_len: int) -> np.ndarray:
         """The j-th packed sequence: contiguous tokens, crossing document boundaries at EOS."""

@@ -74,6 +74,12 @@ def _rows(path: Path):
                 continue
 
 
+def grace_starts(run: dict[str, Any]) -> list[int]:
+    """Where the live spike rule restarted its grace period: the end of warmup and each stage start after step 0."""
+    warmup = (((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0
+    return [warmup] + [e["step"] for e in run["events"] if e["event"] == ev.STAGE_START and e["step"] > 0]
+
+
 def val_of(m: dict) -> Any:
     """An eval line's comparable validation loss: `val/ref` (one fixed context and batches for the whole run), or
     `val/avg` in runs from before it existed."""
@@ -256,9 +262,7 @@ def report(
     finished = any(e["event"] == ev.RUN_END for e in events)
     idle = time.time() - run["last_write"] if run["last_write"] else None
     val = [(m["step"], val_of(m)) for m in run["evals"]]
-    warmup = (((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0
-    grace_at = [warmup] + [e["step"] for e in events if e["event"] == ev.STAGE_START and e["step"] > 0]
-    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_at)
+    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_starts(run))
     v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes)
     if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
         reasons = [*reasons, f"remote copies failing: {remote['failed']} failed, last: {remote['last_error']}"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -46,6 +47,7 @@ def run_identity(acc, run_dir: Path, resume: str, remote: str | None, log) -> Id
             except Exception as e:  # noqa: BLE001 - any fsspec backend's error; the uploads will report theirs
                 print(
                     f"warning: checkpoint.remote {remote}: could not claim it for run {ident.run_id}: {first_line(e)}",
+                    file=sys.stderr,
                     flush=True,
                 )
     if acc.num_processes > 1:
