@@ -1,6 +1,8 @@
-"""Resolve a recipe without training: parameters, stages, LR at given steps, tokens drawn vs. prepared per source.
+"""Resolve a recipe without training: parameters, stages, LR at given steps, tokens drawn vs. prepared per source,
+and with --gpus the wall time and each sharding option's memory per GPU and communication per step.
 
 python scripts/inspect_recipe.py recipes/1b_wsd.yaml --lr-at 500,1000,26000
+python scripts/inspect_recipe.py recipes/1b_wsd.yaml --gpus 8 --sharding zero3 --gpu-memory 80
 python scripts/inspect_recipe.py recipes/1b_wsd.yaml --json
 """
 
@@ -17,7 +19,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="LR over the run with stages, seq_len, RoPE and tokens annotated")
     p.add_argument("--strict", action="store_true", help="lint findings are errors")
-    p.add_argument("--gpus", type=int, help="estimate wall time on this many GPUs")
+    p.add_argument(
+        "--check-model",
+        action="store_true",
+        help="also build model.config through transformers on the meta device, as a launch does (seconds of imports; "
+        "automatic for a model type whose size is not computed from the config alone)",
+    )
+    p.add_argument("--gpus", type=int, help="estimate wall time and memory per GPU on this many GPUs")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80: H100; H200: 141)")
+    p.add_argument(
+        "--sharding",
+        choices=("ddp", "zero1", "zero2", "zero3", "fsdp2"),
+        help="the launch's sharding, judged by the linter (PT020: will not fit, PT021: shards more than needed)",
+    )
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilization (default 0.4)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H100/H200 SXM: 989)")
     return p.parse_args(argv)
@@ -27,16 +41,24 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
-        from pretrainer.data.pipeline import prepared_tokens
+        from pretrainer.data.sources import prepared_tokens
         from pretrainer.errors import PretrainerError
-        from pretrainer.observe.summary import estimate_wall_time, format_summary, summarize
+        from pretrainer.observe.summary import (
+            estimate_wall_time,
+            format_summary,
+            model_shape,
+            sharding_summary,
+            summarize,
+        )
         from pretrainer.recipe.loading import load_recipe
 
         try:
             steps = [int(s) for s in args.lr_at.split(",") if s.strip()]
         except ValueError:
             raise PretrainerError(f"--lr-at: expected comma-separated integers, got {args.lr_at!r}") from None
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides, check_model=False)
+        if args.check_model or model_shape(recipe)[0] is None:
+            recipe = load_recipe(args.recipe, args.overrides)
         info = summarize(recipe, steps, available=prepared_tokens(recipe))
         if args.gpus:
             try:  # the launch would stop on it: refuse before the estimate, not after the job is queued
@@ -44,6 +66,10 @@ def main(argv=None) -> int:
             except PretrainerError as e:
                 raise PretrainerError(f"--gpus {args.gpus}: {e}") from None
             info["wall_time"] = estimate_wall_time(info["total_flops"], args.gpus, args.mfu, args.peak_tflops)
+            info["sharding"] = sharding_summary(recipe, args.gpus, args.gpu_memory, args.sharding)
+            info["findings"] += info["sharding"].pop("findings")
+        elif args.sharding:
+            raise PretrainerError("--sharding: give --gpus too (the sharding is judged at a GPU count)")
         if args.plot:
             from pretrainer.observe.plots import plot_schedule
 

@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
-        from pretrainer.data.pipeline import get_tokenizer, source_dir, used_sources
+        from pretrainer.data.pipeline import get_tokenizer, source_dir
         from pretrainer.data.prepare import prepare_source
+        from pretrainer.data.sources import used_sources
         from pretrainer.recipe.loading import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)

@@ -68,7 +68,8 @@ def test_inspect_strict_and_plot(tmp_path, capsys):
 
 
 def test_repetition_finding_reads_the_prepared_manifests(cache_dir, capsys):
-    from pretrainer.data.pipeline import get_tokenizer, load_sources, prepared_tokens
+    from pretrainer.data.pipeline import get_tokenizer, load_sources
+    from pretrainer.data.sources import prepared_tokens
 
     tiny = load_recipe(TINY, [f"data.cache_dir={cache_dir}"])
     assert prepared_tokens(tiny) == {} or set(prepared_tokens(tiny)) <= {"modules", "packages", "curated"}
@@ -102,7 +103,7 @@ def test_repetition_finding_reads_the_prepared_manifests(cache_dir, capsys):
 def test_fp8_on_hardware_without_it_is_flagged_and_refused(tmp_path, cache_dir, capsys):
     import run_recipe
 
-    from pretrainer.train.accelerator import fp8_capable
+    from pretrainer.runtime import fp8_capable
 
     recipe = load_recipe(FIXTURES / "micro.yaml", ["precision.mixed=fp8"])
     assert [f.id for f in lint(recipe, fp8_capable=False)] == ["PT015"]

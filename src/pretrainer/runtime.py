@@ -50,3 +50,10 @@ def rng_kept():
         yield
     finally:
         set_rng_state(state)
+
+
+def fp8_capable() -> bool:
+    """An NVIDIA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

@@ -23,21 +23,10 @@ from .packing import WindowTable, long_doc_windows, plain_windows
 from .prepare import in_validation, prepare_source, read_manifest
 from .readers import iter_documents, source_files
 from .sampler import MixtureSampler, next_indices
-from .sources import source_key
+from .sources import key_settings, source_key, used_sources
 from .tokenfiles import SplitTokens
 from .tokenizer import load_tokenizer, trained_tokenizer
 from .tokens import tokenizer_fingerprint
-
-
-def used_sources(recipe: Recipe) -> list[str]:
-    """Sources named with a positive weight in some stage's mixture, in definition order."""
-    used = {n for st in recipe.stages for n, w in st.mixture.items() if w > 0}
-    return [n for n in recipe.data.sources if n in used]
-
-
-def key_settings(recipe: Recipe) -> dict:
-    """What `source_key` needs beside the source: the settings that change its arrays, and the digest cache's home."""
-    return {"validation_fraction": recipe.data.validation_fraction, "cache_dir": recipe.data.cache_dir}
 
 
 def get_tokenizer(recipe: Recipe) -> PreTrainedTokenizerBase:
@@ -148,21 +137,6 @@ def check_token_ids(split: SplitTokens, vocab: int, source_dir: Path) -> None:
                 f"{source_dir}: token id {int(window.max())} near token {int(start)} is beyond the tokenizer's "
                 f"{vocab} ids: a corrupted or foreign token file; prepare it again"
             )
-
-
-def prepared_tokens(recipe: Recipe) -> dict[str, int]:
-    """Training tokens of each used source that is prepared, found without loading the tokenizer (a hub tokenizer
-    needs the network): the newest prepared directory with the source's content key. Unprepared sources are absent."""
-    out = {}
-    for name in used_sources(recipe):
-        key = source_key(name, recipe.data.sources[name], **key_settings(recipe))
-        found = sorted(
-            Path(recipe.data.cache_dir, "tokens").glob(f"{name}-{key}-*/manifest.json"),
-            key=lambda p: p.stat().st_mtime,
-        )
-        if found:
-            out[name] = int(json.loads(found[-1].read_text())["train_tokens"])
-    return out
 
 
 def check_inline(recipe: Recipe, name: str) -> None:

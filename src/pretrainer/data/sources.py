@@ -9,9 +9,13 @@ import os
 import sysconfig
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import DataError
 from ..recipe.sections import SourceSection
+
+if TYPE_CHECKING:
+    from ..recipe.schema import Recipe
 
 
 def stdlib_dir() -> Path:
@@ -112,3 +116,29 @@ def source_key(name: str, src: SourceSection, cache_dir: str | Path | None = Non
             raise DataError(f"data.sources.{name}: cannot read {e.filename}: {e.strerror}") from None
         cache.save()
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def used_sources(recipe: Recipe) -> list[str]:
+    """Sources named with a positive weight in some stage's mixture, in definition order."""
+    used = {n for st in recipe.stages for n, w in st.mixture.items() if w > 0}
+    return [n for n in recipe.data.sources if n in used]
+
+
+def key_settings(recipe: Recipe) -> dict:
+    """What `source_key` needs beside the source: the settings that change its arrays, and the digest cache's home."""
+    return {"validation_fraction": recipe.data.validation_fraction, "cache_dir": recipe.data.cache_dir}
+
+
+def prepared_tokens(recipe: Recipe) -> dict[str, int]:
+    """Training tokens of each used source that is prepared, found without loading the tokenizer (a hub tokenizer
+    needs the network): the newest prepared directory with the source's content key. Unprepared sources are absent."""
+    out = {}
+    for name in used_sources(recipe):
+        key = source_key(name, recipe.data.sources[name], **key_settings(recipe))
+        found = sorted(
+            Path(recipe.data.cache_dir, "tokens").glob(f"{name}-{key}-*/manifest.json"),
+            key=lambda p: p.stat().st_mtime,
+        )
+        if found:
+            out[name] = int(json.loads(found[-1].read_text())["train_tokens"])
+    return out

@@ -8,12 +8,16 @@ import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from ..errors import RecipeError, first_line
 from ..recipe.sections import TokenizerSection
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+# tokenizers and transformers are imported where a tokenizer is loaded or trained: asking a recipe's vocabulary size
+# (inspect_recipe.py) must not pay for them.
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -21,6 +25,8 @@ PAD = "<|pad|>"
 
 def load_tokenizer(section: TokenizerSection, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a hub id or a local directory."""
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(section.path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -32,6 +38,9 @@ def load_tokenizer(section: TokenizerSection, trust_remote_code: bool = False) -
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE (GPT-2 style pre-tokenizer) with an EOS and a PAD token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -54,6 +63,8 @@ def trained_tokenizer(
         corpus_key: identifies the training documents (part of the cache key).
         corpus: yields the training documents; only called on a cache miss.
     """
+    from transformers import PreTrainedTokenizerFast
+
     spec = json.dumps({"train": section.train.model_dump(), "corpus": corpus_key}, sort_keys=True)
     key = hashlib.sha256(spec.encode()).hexdigest()[:16]
     out = Path(cache_dir) / "tokenizers" / key

@@ -9,7 +9,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..data.pipeline import SourceData, StageBatches, used_sources, validation_batches
+from ..data.pipeline import SourceData, StageBatches, validation_batches
+from ..data.sources import used_sources
 from ..model.masking import Inputs, plain_inputs
 from ..recipe.eval_sections import ContextEvalSection
 from ..recipe.schema import Recipe

@@ -5,11 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..data.tokenizer import load_tokenizer
-from ..model.build import build_config, build_model, count_params, flops_per_token, non_embedding_params
+from ..model import build
+from ..model.shape import Shape, flops_per_token, shape_of
+from ..recipe import sharding
 from ..recipe.lint import drawn_tokens, lint
 from ..recipe.schedules import lr_lambda
 from ..recipe.schema import Recipe
-from ..train.accelerator import fp8_capable
+from ..runtime import fp8_capable
+
+# torch, transformers and tokenizers are imported only where a recipe needs them (a hub tokenizer without a declared
+# vocabulary, a model type `model.shape` does not know, an fp8 recipe's hardware check): inspect_recipe.py answers
+# the shipped recipes in about a second.
 
 
 def vocab_size_for(recipe: Recipe) -> int | None:
@@ -22,6 +28,28 @@ def vocab_size_for(recipe: Recipe) -> int | None:
     return len(load_tokenizer(recipe.tokenizer, recipe.model.trust_remote_code))
 
 
+def model_shape(recipe: Recipe) -> tuple[Shape | None, int, int, object]:
+    """(shape or None, parameters, non-embedding parameters, FLOPs-per-token function of seq_len): from the config
+    dict when `model.shape` knows the type, else from the model built on the meta device."""
+    vocab = vocab_size_for(recipe)
+    cfg = dict(recipe.model.config)
+    if vocab is not None:
+        cfg.setdefault("vocab_size", vocab)
+    if (shape := shape_of(cfg)) is not None:
+        return shape, shape.params, shape.non_embedding, lambda t: flops_per_token(shape, t)
+    config = build.build_config(recipe.model, vocab_size=vocab)
+    model = build.build_model(recipe.model, config, meta=True)
+    n_non_emb = build.non_embedding_params(model)
+    return None, build.count_params(model), n_non_emb, lambda t: build.flops_per_token(config, n_non_emb, t)
+
+
+def fp8_check(recipe: Recipe) -> bool | None:
+    """Whether this machine has fp8 tensor cores, asked only of an fp8 recipe (the only one it matters to)."""
+    if recipe.precision.mixed != "fp8":
+        return None
+    return fp8_capable()
+
+
 def summarize(
     recipe: Recipe, lr_steps: list[int] | None = None, available: dict[str, int] | None = None
 ) -> dict[str, Any]:
@@ -32,17 +60,14 @@ def summarize(
     """
     available = available or {}
     drawn = drawn_tokens(recipe)
-    config = build_config(recipe.model, vocab_size=vocab_size_for(recipe))
-    model = build_model(recipe.model, config, meta=True)
-    params = count_params(model)
-    n_non_emb = non_embedding_params(model)
+    shape, params, n_non_emb, fpt_at = model_shape(recipe)
     fn = lr_lambda(recipe)
     peak = recipe.optimizer.lr
     stages = []
     total_flops = 0
     for s in recipe.plan.spans:
         st = recipe.stages[s.index]
-        fpt = flops_per_token(config, n_non_emb, s.seq_len)
+        fpt = fpt_at(s.seq_len)
         total_flops += fpt * s.tokens
         stages.append(
             {
@@ -70,8 +95,57 @@ def summarize(
         "total_flops": total_flops,
         "stages": stages,
         "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
-        "findings": [f.to_dict() for f in lint(recipe, available, fp8_capable())],
+        "findings": [f.to_dict() for f in lint(recipe, available, fp8_check(recipe))],
     }
+
+
+def sharding_summary(recipe: Recipe, gpus: int, gpu_gib: float, launch: str | None) -> dict[str, Any]:
+    """Each sharding option's memory per GPU and communication per step on `gpus` GPUs of `gpu_gib` GiB, the best
+    (fewest bytes moved among those that fit), and the linter's findings on `launch` (none when not given)."""
+    shape, *_ = model_shape(recipe)
+    if shape is None:
+        return {"options": [], "best": None, "findings": [], "note": "model type not modelled (model.shape)"}
+    capacity = int(gpu_gib * 2**30)
+    options = sharding.footprints(recipe, shape, gpus)
+    top = sharding.best(options, capacity)
+    found = sharding.sharding_findings(options, launch, gpus, capacity) if launch else []
+    return {
+        "gpus": gpus,
+        "gpu_gib": gpu_gib,
+        "options": [f.to_dict() for f in options],
+        "best": top.option if top else None,
+        "launch": sharding.LAUNCH[top.option] if top else None,
+        "findings": [f.to_dict() for f in found],
+    }
+
+
+HEADS = {
+    "weights": "weights",
+    "gathered": "gathered",
+    "grads": "grads",
+    "optimizer": "optim",
+    "averaging": "avg",
+    "buffers": "buffers",
+    "activations": "activ",
+    "total": "total",
+    "comm": "comm",
+}
+
+
+def _format_sharding(sh: dict[str, Any]) -> list[str]:
+    if not sh["options"]:
+        return [f"sharding        {sh['note']}"]
+    gib = 2**30
+    lines = [
+        f"per GPU on {sh['gpus']} GPUs of {sh['gpu_gib']:g} GiB (GiB; comm: collectives' bytes per GPU per step):",
+        "  " + f"{'option':<8}" + "".join(f"{h:>9}" for h in HEADS.values()),
+    ]
+    for f in sh["options"]:
+        mark = "  <- best" if f["option"] == sh["best"] else ""
+        lines.append(f"  {f['option']:<8}" + "".join(f"{f[k] / gib:>9.1f}" for k in HEADS) + mark)
+    best = f"launch with {sh['launch']}" if sh["best"] else "none fits: add GPUs or recompute activations"
+    lines.append(f"  best: {best}")
+    return lines
 
 
 def format_summary(info: dict[str, Any]) -> str:
@@ -109,6 +183,8 @@ def format_summary(info: dict[str, Any]) -> str:
             f"est. wall time  {w['days']:.2f} days on {w['gpus']} GPUs at {w['mfu']:.0%} MFU of "
             f"{w['peak_tflops']:g} TFLOP/s"
         )
+    if info.get("sharding"):
+        lines += _format_sharding(info["sharding"])
     if info["lr_at"]:
         lines.append("")
         lines += [f"lr at step {k:>10}: {v:.6e}" for k, v in info["lr_at"].items()]

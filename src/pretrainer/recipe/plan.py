@@ -75,11 +75,18 @@ class RunPlan:
         """
         per_step = self.micro_batches_per_step
         if per_step % world_size:
+            valid = ", ".join(str(n) for n in self.valid_world_sizes())
             raise RecipeError(
                 f"batch.global_batch_tokens: {self.global_batch_tokens} tokens = {per_step} micro batches of "
-                f"{self.micro_tokens} tokens, which does not divide over {world_size} processes"
+                f"{self.micro_tokens} tokens, which does not divide over {world_size} processes (valid counts: "
+                f"{valid})"
             )
         return per_step // world_size
+
+    def valid_world_sizes(self) -> list[int]:
+        """The process counts the global batch divides over."""
+        per_step = self.micro_batches_per_step
+        return [n for n in range(1, per_step + 1) if per_step % n == 0]
 
 
 def stage_at(spans, step: int) -> StageSpan:

@@ -10,14 +10,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 from ..errors import PretrainerError
+from ..model.shape import shape_of
 from ..observe.tracking import tracker_setup
+from ..recipe.lint import Finding
 from ..recipe.plan import RunPlan
 from ..recipe.schema import Recipe
-
-
-def fp8_capable() -> bool:
-    """An NVIDIA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+from ..recipe.sharding import footprints, sharding_findings
+from ..runtime import fp8_capable
 
 
 def fp8_kwargs() -> list:
@@ -102,3 +101,30 @@ def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int
     # DeepSpeed's throughput timer synchronises the device at every forward and step (two syncs per micro batch);
     # the loop measures throughput itself
     ds["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
+
+
+def launch_findings(recipe: Recipe, accelerator: Accelerator, vocab: int) -> list[Finding]:
+    """The launch's sharding judged on the GPUs it runs on (PT020: will not fit, PT021: shards more than needed):
+    the finding inspect_recipe.py --sharding gives before launch, now with the real GPU count and memory."""
+    option = sharding_option(accelerator)
+    if option is None or not torch.cuda.is_available():
+        return []
+    shape = shape_of({"vocab_size": vocab, **recipe.model.config})
+    if shape is None:
+        return []
+    options = footprints(recipe, shape, accelerator.num_processes)
+    capacity = torch.cuda.get_device_properties(accelerator.device).total_memory
+    return sharding_findings(options, option, accelerator.num_processes, capacity)
+
+
+def sharding_option(accelerator: Accelerator) -> str | None:
+    """The `recipe.sharding` option this launch is (None for one process or an unmodelled backend)."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.MULTI_GPU:
+        return "ddp"
+    if kind == DistributedType.DEEPSPEED:
+        stage = accelerator.state.deepspeed_plugin.zero_stage
+        return f"zero{stage}" if stage in (1, 2, 3) and accelerator.num_processes > 1 else None
+    if kind == DistributedType.FSDP:
+        return "fsdp2"
+    return None

@@ -26,8 +26,9 @@ from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
+from ..runtime import fp8_capable
 from .absorb import SkipStep
-from .accelerator import fp8_capable, make_accelerator
+from .accelerator import launch_findings, make_accelerator
 from .averaging import WeightAverage
 from .build import build
 from .decisions import OK, Abort, Decision, Ok
@@ -78,7 +79,7 @@ class Trainer:
             self.sources = load_sources(recipe, self.tokenizer)
         available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
         self.data_keys = {n: s.key for n, s in self.sources.items()}  # data identity, in every checkpoint
-        self.findings = lint(recipe, available, fp8_capable())  # once: printed at start, logged on a fresh run
+        self.findings = lint(recipe, available, fp8_capable()) + launch_findings(recipe, acc, len(self.tokenizer))
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
         acc.wait_for_everyone()
