@@ -4,12 +4,16 @@ the old single-process sha256 pass over the whole checkpoint cost.
 
     python scripts/bench_checkpoint.py --sizes 192x2,512x6,1024x8 --out /tmp/bench_ckpt
     python scripts/bench_checkpoint.py --single --sizes 192x2,512x6,1024x8     # one process, the trainer's manager
+    DS_ACCELERATOR=cpu python scripts/bench_checkpoint.py --deepspeed zero1.yaml --sizes 256x4,512x8,1024x8
 
 Each size runs in its own `torchrun --nproc_per_node 2`; one optimizer step first, so the Adam moments exist.
 `--single`: one process per size through `CheckpointManager` itself (what `run_recipe.py` does with
 `checkpoint.async: true` or false): how long `save()` blocks the loop, synchronous and in the background (median of
 3 saves after a first that allocates the snapshot buffers), and the live NaN/Inf check alone, which the background
 save used to run on the loop before its snapshot.
+`--deepspeed CONFIG`: the trainer itself under `accelerate launch --config_file accelerate_configs/CONFIG` on 2
+processes (the micro recipe at each width x depth, fp32, 4 steps, a checkpoint every 2): DeepSpeed saves are
+synchronous, so the loop waits for the whole save; the checkpoint events' `blocked_s` and bytes, against a step.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("/tmp/bench_ckpt"))
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--single", action="store_true", help="one process, the trainer's CheckpointManager")
+    p.add_argument("--deepspeed", metavar="CONFIG", help="the trainer under accelerate_configs/CONFIG, 2 processes")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -173,8 +178,49 @@ def single(args) -> int:
     return 0
 
 
+def deepspeed(args) -> int:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    print("| model | params | checkpoint | save blocks the loop (median) | per GB | one step |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.sizes.split(","):
+        hidden, layers = (int(v) for v in spec.split("x"))
+        d = args.out / f"ds_{spec}"
+        sets = {
+            "data.cache_dir": args.out / "cache",
+            "model.config.hidden_size": hidden,
+            "model.config.intermediate_size": 4 * hidden,
+            "model.config.num_hidden_layers": layers,
+            "stages.0.steps": 6,
+            "checkpoint.every_tokens": 2048,
+            "checkpoint.every_minutes": "null",
+            "eval.every_steps": 0,
+            "precision.mixed": "no",
+        }
+        launch = ["-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{args.deepspeed}"]
+        cmd = [sys.executable, *launch, "--num_processes", "2", "--mixed_precision", "no", "scripts/run_recipe.py"]
+        cmd += ["tests/fixtures/micro.yaml", "--output-dir", str(d), "--overwrite"]
+        cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+        subprocess.run(cmd, check=True, env=env, cwd=root, capture_output=True)
+        events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
+        saves = [e for e in events if e["event"] == "checkpoint"]
+        metrics = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        step_s = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
+        blocked = sorted(e["blocked_s"] for e in saves)
+        med, gb = blocked[len(blocked) // 2], saves[-1]["bytes"] / 1e9
+        params = hidden * hidden * 15 * layers
+        step = f"{step_s[len(step_s) // 2]:.2f} s" if step_s else "n/a"
+        print(
+            f"| {spec} | ~{params / 1e6:.0f}M | {gb:.2f} GB | {med:.2f} s ({len(blocked)} saves) | {med / gb:.2f} s | {step} |"
+        )
+        shutil.rmtree(d, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.deepspeed:
+        return deepspeed(args)
     if args.worker:
         single_worker(args) if args.single else worker(args)
         return 0
