@@ -2,10 +2,11 @@ import numpy as np
 import pytest
 from conftest import write
 
+from pretrainer.data.pipeline import SourceData, validation_batches
 from pretrainer.data.readers import read_documents
 from pretrainer.data.sources import resolve_files
 from pretrainer.data.tokenizer import train_bpe
-from pretrainer.data.tokens import token_dtype, tokenize
+from pretrainer.data.tokens import TokenArrays, token_dtype, tokenize
 from pretrainer.errors import DataError
 from pretrainer.recipe.sections import SourceSection
 
@@ -45,3 +46,14 @@ def test_tokenize_eos_between_documents():
     assert (arr.tokens[ends] == tok.eos_token_id).all()
     assert tok.decode(arr.tokens[arr.doc_offsets[3] : arr.doc_offsets[4] - 1].tolist()) == docs[3]
     assert token_dtype(70_000) == np.uint32
+
+
+def test_a_foreign_id_in_the_validation_batches_is_one_line():
+    """The per-batch check covers the training batches; the validation batches are built once and checked then."""
+    tokens = np.arange(64, dtype=np.uint16) % 100
+    val = TokenArrays(tokens, np.array([0, 64]))
+    sources = {"web": SourceData(train=None, val=val)}
+    assert len(validation_batches(sources, ["web"], 16, 2, 4, vocab=100)["web"]) == 2
+    tokens[37] = 100
+    with pytest.raises(DataError, match=r"token id 100 at token 37 \(data.sources.web, validation\)"):
+        validation_batches(sources, ["web"], 16, 2, 4, vocab=100)

@@ -239,9 +239,18 @@ class StageBatches:
 
 
 def validation_batches(
-    sources: dict[str, SourceData], names: list[str], seq_len: int, micro: int, max_batches: int
+    sources: dict[str, SourceData],
+    names: list[str],
+    seq_len: int,
+    micro: int,
+    max_batches: int,
+    vocab: int | None = None,
 ) -> dict[str, list[torch.Tensor]]:
-    """Fixed held-out micro batches per source (the first windows of its validation documents)."""
+    """Fixed held-out micro batches per source (the first windows of its validation documents).
+
+    Args:
+        vocab: the model's vocabulary size: a token id at or beyond it is one line naming its file and position
+            (checked once, on the numpy rows: the batches are the same at every eval)."""
     out = {}
     for name in names:
         val = sources[name].val
@@ -251,7 +260,20 @@ def validation_batches(
             rows = [np.asarray(val.tokens[: max(2, len(val.tokens))])]
         else:
             rows = [val.window(j, seq_len) for j in range(n)]
+        if vocab is not None:
+            _check_rows(name, val, rows, seq_len, vocab)
         out[name] = [
             torch.from_numpy(np.stack(rows[j : j + micro]).astype(np.int64)) for j in range(0, len(rows), micro)
         ]
     return out
+
+
+def _check_rows(name: str, val, rows: list[np.ndarray], seq_len: int, vocab: int) -> None:
+    for j, row in enumerate(rows):
+        if row.size and int(row.max()) >= vocab:
+            at = j * seq_len + int(np.argmax(row >= vocab))
+            where, pos = val.tokens.file_of(at) if hasattr(val.tokens, "file_of") else (f"data.sources.{name}", at)
+            raise DataError(
+                f"{where}: token id {int(row.max())} at token {pos} (data.sources.{name}, validation) is beyond the "
+                f"model's {vocab} ids: a corrupted or foreign token file; prepare it again"
+            )

@@ -91,8 +91,9 @@ class Evaluator:
         forward, so an uneven count would hang)."""
         acc, model = self.acc, self.model
         if (seq_len, micro) not in self._cache:
+            config = getattr(acc.unwrap_model(model), "config", None)
             self._cache[(seq_len, micro)] = validation_batches(
-                self.sources, self.names, seq_len, micro, self.max_batches
+                self.sources, self.names, seq_len, micro, self.max_batches, getattr(config, "vocab_size", None)
             )
         val = self._cache[(seq_len, micro)]
         out = {}
