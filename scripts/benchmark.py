@@ -30,17 +30,23 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
+        import torch
         from benchkit.harness import run_all
-        from benchkit.report import environment, write_markdown
+        from benchkit.report import environment, machine_speed, speed_line, write_markdown
 
+        torch.set_num_threads(args.threads)
+        before = machine_speed()
         with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
             result = run_all(args.recipe, args.rounds, args.chunk, args.threads, tmp, args.overrides)
+        result["machine_speed"] = {"before": before, "after": machine_speed()}
         result["environment"] = environment()
         result["command"] = "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv)
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
         write_markdown(result, args.md_out)
-        print(json.dumps({k: result[k] for k in ("step_time", "data", "checkpoint_stall", "resume")}, indent=1))
+        keys = ("step_time", "data", "checkpoint_stall", "resume", "machine_speed")
+        print(json.dumps({k: result[k] for k in keys}, indent=1))
+        print(speed_line(result))
         return 0
 
     return run_main(run, debug=args.debug)

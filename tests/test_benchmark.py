@@ -114,11 +114,16 @@ def test_markdown_marks_missed_goals(tmp_path):
         "data": {"delivered_tokens_per_s": 1e6, "consumed_tokens_per_s": 1e3, "headroom": 1000.0},
         "checkpoint_stall": {"sync_s": d, "background_s": d, "ratio": 0.05},
         "resume": {"100": d, "1000000000": d, "ratio": 1.0},
+        "machine_speed": {
+            "before": {"matmul_gflops": 60.0, "memcpy_gb_s": 10.0},
+            "after": {"matmul_gflops": 58.5, "memcpy_gb_s": 9.5},
+        },
     }
     (tmp_path / "B.md").write_text("# Benchmarks\n\n| old table |\n\n## Forecast\n\nwritten by hand\n")
     write_markdown(r, tmp_path / "B.md")
     text = (tmp_path / "B.md").read_text()
     assert "1.200x | <= 1.03x | **missed**" in text and "0.900x | <= 1.00x | met" in text
+    assert "fp32 matmul 60.0 / 58.5 GFLOP/s, memcpy 10.0 / 9.5 GB/s" in text  # the reference beside the table
     assert "| old table |" not in text and text.endswith("## Forecast\n\nwritten by hand\n")  # the rest is kept
 
 

@@ -32,6 +32,47 @@ def environment() -> dict:
     }
 
 
+def machine_speed(repeats: int = 7) -> dict:
+    """A reference for reading tables across days: a fixed fp32 matmul (1024^3, GFLOP/s) and a fixed 64 MiB copy
+    (GB/s, read + write), median of `repeats`, on the threads the benchmark uses. A table whose step times moved by
+    as much as these did measured the machine, not the code."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    src, dst = torch.empty(16 * 2**20), torch.empty(16 * 2**20)
+    src.fill_(1.0)
+    dst.copy_(src)
+    mm, cp = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        mm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        cp.append(time.perf_counter() - t0)
+    mm.sort()
+    cp.sort()
+    return {
+        "matmul_gflops": round(2 * 1024**3 / mm[len(mm) // 2] / 1e9, 2),
+        "memcpy_gb_s": round(2 * src.numel() * 4 / cp[len(cp) // 2] / 1e9, 2),
+    }
+
+
+def speed_line(r: dict) -> str:
+    """The machine-speed reference as one sentence (measured before and after the benchmark, in its process)."""
+    ms = r.get("machine_speed")
+    if not ms:
+        return ""
+    b, a = ms["before"], ms["after"]
+    return (
+        f"Machine speed (scripts/benchkit/report.py `machine_speed`): fp32 matmul {b['matmul_gflops']:.1f} / "
+        f"{a['matmul_gflops']:.1f} GFLOP/s, memcpy {b['memcpy_gb_s']:.1f} / {a['memcpy_gb_s']:.1f} GB/s (before / "
+        "after the rounds). Compare step times across days only in proportion to these."
+    )
+
+
 def write_markdown(r: dict, path: str | Path, notes: str = "") -> None:
     env, st, data, ck, rs = r["environment"], r["step_time"], r["data"], r["checkpoint_stall"], r["resume"]
 
@@ -45,7 +86,7 @@ def write_markdown(r: dict, path: str | Path, notes: str = "") -> None:
         f"Command: `{r['command'].strip()}` (also `make bench`). Date: {env['date']}. Machine: {env['machine']}"
         f"{', GPU ' + env['gpu'] if env['gpu'] else ', no GPU'}. Python {env['python']}, torch {env['torch']}, "
         f"transformers {env['transformers']}, accelerate {env['accelerate']}. Threads: {r['threads']}. "
-        f"Raw numbers: [benchmarks.json](benchmarks.json).",
+        f"Raw numbers: [benchmarks.json](benchmarks.json). {speed_line(r)}",
         "",
         f"Model: the recipe's Llama ({r['params']:,} parameters), fp32, AdamW, clipping at 1.0, "
         f"{st['tokens_per_step']:,} tokens per optimizer step ({r['grad_accum']} micro batches of "
