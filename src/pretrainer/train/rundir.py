@@ -4,12 +4,12 @@ every check (`--overwrite` never destroys a run for a recipe that then fails).""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 from pathlib import Path
 
 from ..errors import PretrainerError
+from ..files import OwnedLock
 
 LOCK = ".lock"
 OLD_RUN = (
@@ -40,7 +40,7 @@ class RunDir:
         self.path = Path(output_dir)
         self.is_main = int(os.environ.get("RANK", "0")) == 0 if is_main is None else is_main
         self.path.mkdir(parents=True, exist_ok=True)
-        self._fd = self._lock() if self.is_main else None
+        self._lock = self._take_lock() if self.is_main else None
         holds_run = (self.path / "metrics.jsonl").exists()
         if holds_run and resume == "none" and not overwrite:
             raise PretrainerError(
@@ -49,19 +49,14 @@ class RunDir:
             )
         self.stale = holds_run and resume == "none"
 
-    def _lock(self) -> int:
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
+    def _take_lock(self) -> OwnedLock:
+        lock = OwnedLock(self.path / LOCK)
+        if not lock.try_acquire():
             raise PretrainerError(
-                f"{self.path}: in use by another run (pid {holder}); wait for it to end or choose another --output-dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        return fd
+                f"{self.path}: in use by another run (pid {lock.holder()}); wait for it to end or choose another "
+                "--output-dir"
+            )
+        return lock
 
     @contextlib.contextmanager
     def released_after(self, always: bool = True):
@@ -76,9 +71,9 @@ class RunDir:
 
     def release(self) -> None:
         """Give the lock back now (the process may go on, e.g. a test or a notebook running another run)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def clear_old_run(self) -> None:
         """With `--overwrite`, after the new run's recipe, data, tokenizer and model are known good: remove the old
