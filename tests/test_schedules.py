@@ -3,7 +3,7 @@ import math
 import pytest
 
 from pretrainer.recipe.loading import load_recipe
-from pretrainer.recipe.schedules import LRController, cosine, lr_at, wsd
+from pretrainer.recipe.schedules import cosine, lr_at, wsd
 
 ROOT_1B = "recipes/1b_cosine.yaml"
 
@@ -54,19 +54,33 @@ def test_recipe_lr_at_cosine_1b():
     assert lr_at(r, 26_000) == pytest.approx(1.5e-4)
 
 
-def test_lr_controller_recomputes_on_load():
+def test_run_lr_is_lambda_lr_that_saves_the_step_and_recomputes_on_load():
+    """torch's LambdaLR: each group's own peak times the schedule (Muon's and AdamW's groups keep their ratio); only
+    the step goes into meta.json, and the LR is recomputed from it on load, with no warning for a first update that
+    skip-step held back."""
+    import warnings
+
     import torch
 
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
+    from pretrainer.train.build import RunLR
+
+    p, q = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [p], "lr": 2.0}, {"params": [q], "lr": 0.5}])
     fn = lambda s: min(1.0, s / 10)  # noqa: E731
-    c = LRController(opt, fn, peak=2.0)
-    assert opt.param_groups[0]["lr"] == 0.0
-    for _ in range(5):
-        c.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
-    c2 = LRController(opt, fn, peak=2.0)
+    c = RunLR(opt, fn)
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first step comes before any optimizer step: no warning
+        for _ in range(5):
+            c.step()
+    assert [g["lr"] for g in opt.param_groups] == [pytest.approx(1.0), pytest.approx(0.25)]
+    assert c.state_dict() == {"step": 5}
+    opt2 = torch.optim.SGD([{"params": [p], "lr": 2.0}, {"params": [q], "lr": 0.5}])
+    c2 = RunLR(opt2, fn)
     c2.load_state_dict(c.state_dict())
-    assert c2.get_last_lr() == [pytest.approx(1.0)] and c2.step_count == 5
+    assert c2.get_last_lr() == [pytest.approx(1.0), pytest.approx(0.25)] and c2.step_count == 5
+    c2.step()
+    assert c2.get_last_lr() == [pytest.approx(1.2), pytest.approx(0.3)]
 
 
 @pytest.mark.parametrize(

@@ -143,35 +143,3 @@ def lr_array(recipe: Recipe) -> np.ndarray:
 def lr_at(recipe: Recipe, step: int) -> float:
     """The absolute LR at a global optimizer step."""
     return recipe.optimizer.lr * lr_lambda(recipe)(step)
-
-
-class LRController:
-    """Sets every param group's LR to `peak * f(step)` after each optimizer step.
-
-    Not a torch LambdaLR on purpose: DeepSpeed ZeRO and FSDP regroup the optimizer's parameters after the scheduler
-    would have been built. Only the step is saved (`state_dict`); the LR is recomputed on load.
-    """
-
-    def __init__(self, optimizer, fn: Callable[[int], float], peak: float):
-        self.optimizer, self.fn, self.peak = optimizer, fn, peak
-        self.step_count = 0
-        self._apply()
-
-    def _apply(self) -> None:
-        self.lr = self.peak * self.fn(self.step_count)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
-
-    def step(self) -> None:
-        self.step_count += 1
-        self._apply()
-
-    def get_last_lr(self) -> list[float]:
-        return [self.lr]
-
-    def state_dict(self) -> dict:
-        return {"step": self.step_count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step_count = int(state["step"])
-        self._apply()

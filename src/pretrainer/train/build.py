@@ -4,6 +4,8 @@ the optimizer, both prepared by Accelerate, and the LR controller."""
 from __future__ import annotations
 
 import sys
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +22,7 @@ from ..model.build import (
 )
 from ..model.losses import ZLossLM, install_z_loss
 from ..recipe.plan import RunPlan
-from ..recipe.schedules import LRController, lr_lambda
+from ..recipe.schedules import lr_lambda
 from ..recipe.schema import Recipe
 from .accelerator import configure_deepspeed
 from .optim import Assignment, build_optimizer
@@ -31,7 +33,7 @@ class Built:
     model: torch.nn.Module
     """As Accelerate prepared it (DDP, DeepSpeed engine or FSDP module; the plain module on one process)."""
     optimizer: torch.optim.Optimizer
-    scheduler: LRController
+    scheduler: RunLR
     config: object
     """The model's Hugging Face config (RoPE as the current stage set it)."""
     rope: StageRope
@@ -68,10 +70,47 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
         print(f"warning: {why}", file=sys.stderr, flush=True)
     configure_deepspeed(accelerator, plan, grad_accum)
     model, optimizer = accelerator.prepare(model, optimizer)
-    # Not registered with Accelerate: the LR is a function of the step, which meta.json holds.
-    scheduler = LRController(optimizer, lr_lambda(recipe), opt.lr)
+    # Built on the prepared optimizer (whose param groups DeepSpeed and FSDP may have rebuilt); not registered with
+    # Accelerate: the LR is a function of the step, which meta.json holds.
+    scheduler = RunLR(optimizer, lr_lambda(recipe))
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
     return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss)
+
+
+class RunLR(torch.optim.lr_scheduler.LambdaLR):
+    """torch's LambdaLR over the run's global optimizer step (what torchtitan wraps): each param group's LR is its
+    own initial LR times the schedule's multiplier. Only the step is checkpointed (`{"step": N}`, as before this
+    class): the LR is a function of it, recomputed on load."""
+
+    def __init__(self, optimizer, fn: Callable[[int], float]):
+        super().__init__(optimizer, fn)
+
+    def step(self) -> None:
+        if self._step_count != 1:
+            super().step()
+            return
+        # torch warns when the first scheduler step comes before an optimizer step: here that is a first update
+        # held back by skip-step, or one DeepSpeed's engine took inside backward. Neither skips a schedule value.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"Detected call of `lr_scheduler.step\(\)`", category=UserWarning
+            )
+            super().step()
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (the schedule's position)."""
+        return self.last_epoch
+
+    def state_dict(self) -> dict:
+        return {"step": self.last_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch = int(state["step"])
+        self._step_count = self.last_epoch + 1
+        self._last_lr = [base * fn(self.last_epoch) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
 
 
 def compile_warning(compile_: bool, accelerator) -> str | None:
