@@ -178,9 +178,9 @@ def test_disk_full_mid_write_keeps_earlier_checkpoints(tmp_path, cache_dir, monk
 
 def test_retention_keep_last_milestones_and_protected(tmp_path):
     cands = [ck.Candidate(tmp_path / f"step_{i:08d}", {"step": i * 10, "tokens": i * 1000}) for i in range(1, 11)]
-    keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=None, protected=set())
+    keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=None, protected=ck.NOTHING)
     assert sorted(p.name for p in keep) == ["step_00000008", "step_00000009", "step_00000010"]
-    keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=4000, protected={"step_00000002"})
+    keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=4000, protected=ck.Protected(frozenset({"step_00000002"})))
     assert sorted(p.name for p in keep) == [
         "step_00000002",
         "step_00000004",
@@ -188,6 +188,9 @@ def test_retention_keep_last_milestones_and_protected(tmp_path):
         "step_00000009",
         "step_00000010",
     ]
+    # an open suspicion from step 57 on: the newest checkpoint at or before step 55 (its candidate target) stays
+    keep = ck.to_keep(cands, keep_last=3, keep_every_tokens=None, protected=ck.Protected(before=55))
+    assert sorted(p.name for p in keep) == ["step_00000005", "step_00000008", "step_00000009", "step_00000010"]
 
 
 def test_retention_end_to_end_and_keep_last_validation(reference, cache_dir, tmp_path, capsys):

@@ -75,15 +75,15 @@ def test_the_loop_logs_a_drift_when_it_begins_and_check_run_remembers_it(tmp_pat
     for k, (step, value) in enumerate(zip(healthy.steps.tolist(), loss.tolist())):
         fc.observe(step, value)
         if (out := fc.forecast()) is not None:
-            assert out[0]["forecast/off_track"] in (0.0, 1.0)
-            if out[2] is not None:
-                began.append((k, out[2]))
+            assert out.metrics["forecast/off_track"] in (0.0, 1.0)
+            if out.drift is not None:
+                began.append((k, out.drift))
     assert began and 40 <= began[0][0] <= 50, began  # seen within ten evals of its start
     assert all(b[1]["evals"][0] > int(healthy.steps[39]) for b in began)
     fresh = Forecaster(healthy.lr, W)  # healthy: never
     for step, value in zip(healthy.steps.tolist(), healthy.loss.tolist()):
         fresh.observe(step, value)
-        assert (out := fresh.forecast()) is None or out[2] is None
+        assert (out := fresh.forecast()) is None or out.drift is None
     events = [{"event": "off_track", "step": 999, **json.loads(json.dumps(began[0][1]))}]  # as logged
     was, line = remembered_drift(events, now_off=False)
     assert was == [began[0][1]] and line.startswith(f"was off track: evals at steps {began[0][1]['evals'][0]}-")

@@ -1,7 +1,6 @@
 """Careless or unlucky input, one test per class: each asserts the promise (exit code, one line naming the file or
 field, nothing already written lost, no code run from a checkpoint), plus a fuzz of malformed recipes."""
 
-import fcntl
 import json
 import os
 import pickle
@@ -23,6 +22,7 @@ from pretrainer import checkpoint as ck
 from pretrainer.checkpoint.safe_load import UnsafeCheckpoint, weights_only
 from pretrainer.data.sources import source_key
 from pretrainer.errors import RecipeError
+from pretrainer.files import OwnedLock
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import SourceSection
@@ -272,6 +272,56 @@ def test_damaged_checkpoints_are_skipped_with_a_reason(damage, saved, tmp_path, 
     assert f"skipping {newest}" in printed and f"from {cands[-2].path}" in printed
 
 
+def test_a_passed_over_checkpoint_does_not_block_the_save_at_its_step(saved, tmp_path, cache_dir, monkeypatch, capsys):
+    """The newest checkpoint cannot be read (its meta.json is noise) nor removed: --resume auto passes over it, and
+    when the run reaches its step again the new save moves it aside instead of failing with exit 74."""
+    import shutil
+
+    from pretrainer.checkpoint import format as ckformat
+
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    cands = ck.list_checkpoints(out / "checkpoints")
+    newest = cands[-1].path
+    (newest / ck.META).write_bytes(b"\x00\xff")
+    remove = ckformat.remove_dir
+    monkeypatch.setattr(ckformat, "remove_dir", lambda p: "PermissionError: denied" if p == newest else remove(p))
+    assert run_recipe.main(cli(out, cache_dir, "--resume", "auto")) == 0
+    assert f"skipping {newest}" in capsys.readouterr().out
+    aside = list((out / "checkpoints").glob(f"{ckformat.ASIDE_PREFIX}{newest.name}-*"))
+    assert len(aside) == 1 and (aside[0] / ck.META).read_bytes() == b"\x00\xff"  # kept, out of the way
+    assert ck.verify(newest) == [] and ck.read_meta(newest)["step"] == cands[-1].meta["step"]
+    assert [c.path for c in ck.list_checkpoints(out / "checkpoints")][-1] == newest
+
+
+def test_a_tiny_mixture_weight_in_a_later_stage_is_one_line_at_load(tmp_path, cache_dir, capsys):
+    """Below the sampler's resolution (1/4096 of a stage's samples) in the anneal: refused at load, not at the stage's
+    start hours later."""
+    recipe = ROOT / "recipes" / "tiny.yaml"
+    weights = "stages.2.mixture={curated: 0.0001, modules: 0.5, packages: 0.5}"
+    rc = run_recipe.main([str(recipe), "--output-dir", str(tmp_path / "run"), "--set", weights])
+    assert rc == 2
+    line = one_line_error(capsys)
+    assert "stages.2: mixture weight of 'curated' is 0.0001 of the stage, below the sampler's resolution" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_default_token_id_outside_a_small_vocabulary(tmp_path, cache_dir, capsys):
+    """gpt2's default bos/eos (50256) beside a 512-token tokenizer: no transformers warning; the default is dropped
+    (the tokenizer's eos is used); set in the recipe, it is one `error:` line naming the field."""
+    gpt2 = ["--set", "model.config={model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 64}"]
+    out = tmp_path / "run"
+    assert run_recipe.main(cli(out, cache_dir, *gpt2, "--set", "schedule.warmup_steps=1")) == 0
+    err = capsys.readouterr().err
+    assert "must be `None` or an integer within the vocabulary" not in err
+    config = json.loads((out / "final" / "config.json").read_text())
+    assert config["bos_token_id"] is None and 0 <= config["eos_token_id"] < config["vocab_size"] == 512
+    bad = ["--set", "model.config.bos_token_id=50256"]
+    assert run_recipe.main(cli(tmp_path / "bad", cache_dir, *gpt2, *bad, "--set", "schedule.warmup_steps=1")) == 2
+    line = one_line_error(capsys)
+    assert "model.config.bos_token_id: 50256 is outside the vocabulary, 0 to 511" in line
+
+
 def test_disk_full_from_a_library_error_is_exit_74(tmp_path, cache_dir, monkeypatch, capsys):
     from accelerate import Accelerator
 
@@ -305,22 +355,22 @@ def test_overwrite_with_a_bad_source_keeps_the_old_run(saved, tmp_path, cache_di
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     rc = run_recipe.main(cli(out, cache_dir, "--overwrite", "--set", "data.sources.stdlib.include=[nothing/*.py]"))
     assert rc == 2 and "data.sources.stdlib" in one_line_error(capsys)
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != ".lock") == [
-        b for b in before if b != ".lock"
-    ]
+    assert sorted(
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not p.name.startswith(".lock")
+    ) == [b for b in before if not b.startswith(".lock")]
 
 
 def test_a_second_run_in_the_same_directory_is_refused(tmp_path, cache_dir, capsys):
     out = tmp_path / "run"
     out.mkdir()
-    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, b"4242\n")
+    other = OwnedLock(out / ".lock")  # another open of the lock file: flock treats it as another process
+    assert other.try_acquire()
+    other.pid_file.write_text("4242\n")
     try:
         assert run_recipe.main(cli(out, cache_dir)) == 2
         assert "in use by another run (pid 4242)" in one_line_error(capsys)
     finally:
-        os.close(fd)
+        other.release()
     assert run_recipe.main(cli(out, cache_dir)) == 0  # released: the lock of a dead run is never stale
 
 

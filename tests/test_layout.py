@@ -36,19 +36,28 @@ def test_layout_shows_the_architecture():
     assert top <= {"errors", "cli", "faults", "files", "runtime"}, f"modules at the top: {sorted(top)}"
 
 
-def test_modules_read_in_one_sitting_and_are_formatted_honestly():
-    """Formatted by ruff (checked by `make quality`), a module stays readable in one sitting: one that outgrows
-    ~450 lines is split by concern, never packed. `# fmt: skip` only where an aligned table reads better."""
+def test_modules_are_formatted_honestly():
+    """Formatted by ruff (checked by `make quality`); `# fmt: skip` only where an aligned table reads better.
+    No cap on a module's lines (a cap made the trainer pack fields into tuples to stay under it): a module is split
+    when a concern stands apart. Functions stay short, and the loop assigns one attribute per line."""
     skips = 0
     for path, tree in modules().values():
         text = path.read_text()
         skips += text.count("# fmt: skip")
-        assert len(text.splitlines()) <= 450, f"{path}: {len(text.splitlines())} lines: split it by concern"
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = node.end_lineno - node.lineno + 1
                 assert n <= 80, f"{path}:{node.lineno} {node.name}() is {n} lines"
     assert skips <= 5, f"{skips} `# fmt: skip` markers in the library"
+    loop = ast.parse((SRC / "train" / "trainer.py").read_text())
+    packed = [
+        node.lineno
+        for node in ast.walk(loop)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Tuple)
+        and any(isinstance(e, ast.Attribute) for e in node.targets[0].elts)
+    ]
+    assert not packed, f"train/trainer.py: attributes assigned as a tuple at lines {packed}"
 
 
 def test_no_private_imports_and_no_cycles():

@@ -2,6 +2,7 @@
 through fake ports, the run plan, the live health monitor."""
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer import checkpoint as ck
 from pretrainer.checkpoint import CheckpointManager
+from pretrainer.checkpoint import format as ckformat
 from pretrainer.observe.health import HealthMonitor, report
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import CheckpointSection, SpikesSection
@@ -116,13 +118,26 @@ def test_manager_saves_parts_prunes_and_restores_alone(manager):
 
     restored = mgr.load(mgr.root / "step_00000002")  # the store loads weights; the loop hands meta to the parts
     state.load_state_dict(restored.meta)
-    parts.load_state_dict(restored.meta)
+    calls = []
+
+    class Filed(Counter):  # a part with files of its own in the checkpoint (the averaged weights)
+        def load_files(self, directory):
+            calls.append(("files", directory))
+
+        def load_state_dict(self, state):
+            calls.append(("state", state))
+
+    parts.register("filed", Filed())
+    parts.load_state_dict({**restored.meta, "filed": {"n": 1}}, restored.path)
+    assert calls == [("files", restored.path / "filed"), ("state", {"n": 1})]  # files first, in one place
     assert restored.step == 2 and state.step == 2 and state.tokens == 200 and counter.n == 20
     assert state.skips == [[0, 1, 1], [0, 2, 2]]
     assert torch.equal(next(model.parameters()), weights[2])
     # a rollback rewinds the position but keeps every skip known now (the ledger is history)
     state.add_skip(0, 9, 9)
     state.rewind(mgr.load(mgr.root / "step_00000002").meta)
+    parts.load_state_dict({}, restored.path, rollback=True)  # no meta: the part's files are still read (reset)
+    assert calls[-1] == ("files", restored.path / "filed")
     assert state.step == 2 and state.skips == [[0, 1, 1], [0, 2, 2], [0, 9, 9]]
 
 
@@ -131,7 +146,7 @@ def test_manager_protection_rollback_target_and_resume_choice(manager, tmp_path)
     for s in (1, 2, 3, 4):
         state.step, state.tokens = s, s * 100
         # an open spike episode's target (step 1) survives pruning while the loop names it protected
-        mgr.save(meta_of(state, parts), protected={"step_00000001"})
+        mgr.save(meta_of(state, parts), protected=ck.Protected(frozenset({"step_00000001"})))
     assert [c.meta["step"] for c in ck.list_checkpoints(mgr.root)] == [1, 3, 4]
     assert mgr.newest_good(max_step=2) == mgr.root / "step_00000001"
     assert mgr.newest_good(max_step=0) is None
@@ -148,6 +163,72 @@ def test_manager_protection_rollback_target_and_resume_choice(manager, tmp_path)
         check_compatible(path, {"optimizer": {"lr": 0.002}}, False, log, tmp_path, True)
     check_compatible(path, {"optimizer": {"lr": 0.002}}, True, log, tmp_path, True)
     assert "recipe_change" in log.kinds() and (tmp_path / "recipe.step_00000004.yaml").exists()
+
+
+@pytest.fixture
+def async_manager(manager, monkeypatch):
+    """The manager with background saves, and a gate its writer waits on before it prunes: a save handed over
+    while the gate is shut stays in flight (written and renamed, not yet pruned) until the gate opens."""
+    mgr, model, state, parts, counter, log, clock = manager
+    mgr.async_ok = True
+    gate, order, prune = threading.Event(), [], mgr.prune
+    gate.set()
+
+    def held_prune(step, protected=ck.NOTHING):
+        gate.wait(timeout=30)
+        prune(step, protected)
+        order.append("prune")
+
+    monkeypatch.setattr(mgr, "prune", held_prune)
+    return mgr, state, parts, gate, order
+
+
+def third_in_flight(mgr, state, parts, gate) -> None:
+    """Checkpoints 1 and 2 written and pruned; the save of 3 handed over with the gate shut (held before its prune)."""
+    for s in (1, 2):
+        state.step, state.tokens = s, s * 100
+        mgr.save(meta_of(state, parts))
+    mgr.finish()
+    gate.clear()
+    state.step, state.tokens = 3, 300
+    mgr.save(meta_of(state, parts))
+
+
+def test_background_save_never_prunes_a_target_chosen_while_it_runs(async_manager):
+    """keep_last 2; checkpoints 1 and 2; the save of 3 is in flight when a spike (onset 3) chooses its target.
+    Before the fix the episode chose step 1, which the in-flight commit then pruned (it held the protection of the
+    moment it was handed over): the rollback target was gone. Choosing a target joins the write first, so the
+    choice sees what a synchronous save would have left, and a chosen target is never pruned later."""
+    mgr, state, parts, gate, order = async_manager
+    third_in_flight(mgr, state, parts, gate)  # no episode, no suspicion when it was handed over
+    threading.Timer(0.5, gate.set).start()
+    target = mgr.newest_good(max_step=1)  # the episode's choice, made while the write runs
+    protect = ck.Protected(frozenset({target.name})) if target else ck.NOTHING
+    if target is not None:
+        mgr.load(target)
+    state.step, state.tokens = 4, 400
+    mgr.save(meta_of(state, parts), protected=protect)
+    mgr.finish()
+    assert order[0] == "prune"
+    assert target is None or target.exists(), f"the rollback target {target.name} was pruned under its episode"
+    # the synchronous answer: step 1 went when 3 was saved, so no checkpoint predates this onset
+    assert target is None and [c.meta["step"] for c in ck.list_checkpoints(mgr.root)] == [3, 4]
+
+
+def test_a_load_never_overlaps_a_background_write(async_manager, monkeypatch):
+    mgr, state, parts, gate, order = async_manager
+    third_in_flight(mgr, state, parts, gate)
+    order.clear()
+    read_meta = ckformat.read_meta
+
+    def noted(path):
+        order.append("load")
+        return read_meta(path)
+
+    monkeypatch.setattr(ckformat, "read_meta", noted)
+    threading.Timer(0.5, gate.set).start()
+    mgr.load(mgr.root / "step_00000002")  # a rollback while the write of 3 is still in flight
+    assert order == ["prune", "load"], order
 
 
 def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
@@ -176,10 +257,12 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
                 return s, d
         return None, None
 
-    # a 3-step spike from step 151 on: roll back to the only checkpoint before it, which is then protected
-    step, d = run(1, 200, spiky={151, 152, 153})
+    # a 3-step spike from step 151 on: while it is only suspect, the candidate target is kept from pruning; once
+    # confirmed, roll back to the only checkpoint before it, which is then protected by name
+    assert run(1, 151, spiky={151}) == (None, None) and h.protected() == ck.Protected(before=149)
+    step, d = run(152, 200, spiky={152, 153})
     assert step == 153 and d == Rollback(Path("/ckpts/step_00000010"), 153, ())
-    assert h.protected() == {"step_00000010"}
+    assert h.protected().names == {"step_00000010"}
     assert log.kinds().count("spike") == 1
     # the loop rewinds the parts from the checkpoint: the detector's trend comes back, the episode stays open
     healthy = {
@@ -199,7 +282,7 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
     # a healthy replay past confirm_steps closes the episode and releases the target
     h.rewind({"detector": healthy})
     assert run(151, 170, spiky=set()) == (None, None)
-    assert "transient" in log.kinds() and h.protected() == frozenset()
+    assert "transient" in log.kinds() and h.protected() == ck.NOTHING
 
 
 def test_spike_handler_aborts_past_the_rollback_limit_and_without_a_target():

@@ -12,8 +12,8 @@ from pretrainer.model.build import OUTPUT_PROJECTIONS, decoder_layers, scale_out
 from pretrainer.model.losses import ZLossLM
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.stability import SkipStepSection
-from pretrainer.train.absorb import SkipStep
 from pretrainer.train.layers import LayerStats
+from pretrainer.train.skip_step import SkipStep
 
 FAULT = "debug.inject.grad_scale={step: 72, factor: 1000}"
 """A x1000 gradient at step 72: after the 64 steps of history skip-step needs before it judges."""

@@ -49,7 +49,11 @@ class _PlainLoop:
         self.model = build_model(trainer.recipe.model, trainer.config)
         o = trainer.recipe.optimizer
         self.opt = torch.optim.AdamW(
-            param_groups(self.model, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps, fused=trainer.fused or None
+            param_groups(self.model, o.weight_decay),
+            lr=o.lr,
+            betas=o.betas,
+            eps=o.eps,
+            fused=trainer.built.fused or None,
         )
         self.batches, self.i = batches, 0
         self.max_norm = trainer.recipe.clipping.max_grad_norm
@@ -96,7 +100,7 @@ class _HFTrainer:
             disable_tqdm=True,
             seed=trainer.recipe.run.seed,
             dataloader_drop_last=True,
-            optim="adamw_torch_fused" if trainer.fused else "adamw_torch",
+            optim="adamw_torch_fused" if trainer.built.fused else "adamw_torch",
         )
         self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
         outer = self

@@ -9,6 +9,7 @@ manifest last, then the rename; a directory without a manifest is never resumed 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,8 +78,10 @@ def commit(group: Group, tmp: Path, final: Path, meta: dict, extra_files: dict[s
     if missing := sorted(set(sizes) - set(files)):  # never a manifest that leaves out a file it should list
         raise OSError(f"unhashed files: {missing[:3]}")
     ck.write_manifest(tmp, files)
-    if final.exists():  # the same step again (a replay after rollback): the new one replaces it
-        ck.remove_dir(final)
+    if final.exists():  # the same step again (a replay after rollback, a save --resume passed over): replaced
+        if (why := ck.remove_dir(final)) is not None:  # unreadable or undeletable: out of the way, not in it
+            aside = ck.set_aside(final)
+            print(f"warning: {final} could not be removed ({why}); moved to {aside.name}", file=sys.stderr)
     tmp.rename(final)
     ck.fsync_dir(final.parent)
     return sum(v["size"] for v in files.values())

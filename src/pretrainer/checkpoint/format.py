@@ -25,6 +25,8 @@ from . import integrity
 MANIFEST = "manifest.json"
 META = "meta.json"
 TMP_PREFIX = ".tmp-"
+ASIDE_PREFIX = ".passed-over-"
+"""A checkpoint directory that could neither be read nor removed, renamed out of the way of a new save."""
 
 
 class CheckpointError(PretrainerError):
@@ -152,7 +154,7 @@ def scan(root: Path) -> tuple[list[Candidate], list[tuple[Path, str]]]:
     directories with a manifest whose meta.json is missing or broken, with the reason."""
     out, broken = [], []
     try:
-        dirs = [d for d in Path(root).iterdir() if d.is_dir() and not d.name.startswith(TMP_PREFIX)]
+        dirs = [d for d in Path(root).iterdir() if d.is_dir() and not d.name.startswith((TMP_PREFIX, ASIDE_PREFIX))]
     except OSError:  # no root yet, or unreadable
         return out, broken
     for d in dirs:
@@ -210,13 +212,30 @@ def incomplete_dirs(root: Path) -> list[Path]:
         return [
             d
             for d in Path(root).iterdir()
-            if d.is_dir() and (d.name.startswith(TMP_PREFIX) or not (d / MANIFEST).exists())
+            if d.is_dir()
+            and not d.name.startswith(ASIDE_PREFIX)
+            and (d.name.startswith(TMP_PREFIX) or not (d / MANIFEST).exists())
         ]
     except OSError:
         return []
 
 
-def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | None, protected: set[str]) -> set[Path]:
+@dataclass(frozen=True)
+class Protected:
+    """What retention must keep besides the newest `keep_last` and the milestones: the checkpoints an open spike
+    episode may roll back to."""
+
+    names: frozenset[str] = frozenset()
+    """Checkpoints by name (an open episode's rollback target)."""
+    before: int | None = None
+    """Also the newest checkpoint saved at or before this step (an open suspicion's candidate target: a spike
+    confirmed later rolls back to the newest good checkpoint from before its onset)."""
+
+
+NOTHING = Protected()
+
+
+def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | None, protected: Protected) -> set[Path]:
     """Retention, as a pure function: the newest `keep_last`, milestones, protected ones."""
     keep = {c.path for c in cands[-keep_last:]}
     if keep_every_tokens:
@@ -226,8 +245,18 @@ def to_keep(cands: list[Candidate], keep_last: int, keep_every_tokens: int | Non
             if k > 0 and k not in seen:
                 seen.add(k)
                 keep.add(c.path)
-    keep |= {c.path for c in cands if c.path.name in protected}
+    keep |= {c.path for c in cands if c.path.name in protected.names}
+    if protected.before is not None and (older := [c for c in cands if c.meta["step"] <= protected.before]):
+        keep.add(older[-1].path)
     return keep
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint directory that cannot be removed out of the way (`.passed-over-<name>-<time>`, beside it):
+    listing, resuming and pruning ignore it; its name says what it was. Returns the new path."""
+    aside = path.with_name(f"{ASIDE_PREFIX}{path.name}-{int(time.time())}")
+    path.rename(aside)
+    return aside
 
 
 def remove_dir(path: Path) -> str | None:

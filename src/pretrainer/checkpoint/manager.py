@@ -26,6 +26,7 @@ from . import commit, integrity
 from . import format as ck
 from .commit import Group
 from .dcp import DcpCheckpointer
+from .format import NOTHING, Protected
 from .identity import Identity, foreign
 from .loading import load_state
 from .remote import Uploader, check_remote, fetch_newest, run_url
@@ -41,15 +42,14 @@ def _why(e: Exception) -> str:
 
 
 class Sidecar(Protocol):
-    """State a rank holds beside the model and optimizer, in files of its own under the checkpoint."""
+    """State a rank holds beside the model and optimizer, in files of its own under the checkpoint. The store only
+    writes it; reading it back is the loop's business (the part's `load_files`, in `Parts.load_state_dict`)."""
 
     def save(self, directory: Path) -> None: ...
 
     def snapshot(self, directory: Path) -> Callable[[], None]:
         """A copy taken now, written by the returned function (in the background writer)."""
         ...
-
-    def restore(self, directory: Path) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class CheckpointManager:
     ):
         """Args:
         extra_files: sub-directory name -> writer, called at each save (e.g. the tokenizer).
-        sidecars: sub-directory name -> per-rank state saved and restored with the model (the averaged weights).
+        sidecars: sub-directory name -> per-rank state saved with the model (the averaged weights); the loop reads
+            it back through the part that owns it.
         deep_verify: also scan the files for NaN/Inf when choosing a checkpoint (`--verify deep`).
         identity: the run's (checkpoint/identity.py): saved in every meta; another run's checkpoints are passed over
             by `--resume auto`; the remote copies go to the run's own directory there."""
@@ -137,12 +138,12 @@ class CheckpointManager:
     def _model_config(self) -> dict:
         """The model config as saved (RoPE as trained); re-serialised only when a stage changed RoPE."""
         cfg = self.acc.unwrap_model(self.model).config
-        key = (cfg.rope_parameters, cfg.max_position_embeddings)
+        key = (getattr(cfg, "rope_parameters", None), getattr(cfg, "max_position_embeddings", None))
         if self._config is None or self._config[0] is not key[0] or self._config[1] != key[1]:
             self._config = (key[0], key[1], cfg.to_dict())
         return self._config[2]
 
-    def save(self, meta: dict, protected: frozenset[str] | set[str] = frozenset()) -> Path:
+    def save(self, meta: dict, protected: Protected = NOTHING) -> Path:
         """Write a checkpoint of the live model and optimizer atomically: state into `.tmp-step_N/`, then meta, extra
         files, manifest (last), rename; then prune, keeping `protected` names.
 
@@ -152,7 +153,9 @@ class CheckpointManager:
 
         Args:
             meta: what the loop saves with the state; needs `step`, `tokens` and `reason`.
-            protected: checkpoint names that pruning must keep (an open spike episode's rollback target).
+            protected: what pruning must keep (an open spike episode's rollback target, an open suspicion's
+                candidate). Read at the save; a later episode cannot be missed by a background write's prune,
+                because choosing a target (`newest_good`) and loading (`load`) join the write first.
 
         Raises:
             ck.CheckpointError: the write failed; earlier checkpoints are intact and the partial one is removed.
@@ -161,7 +164,6 @@ class CheckpointManager:
         name = f"step_{meta['step']:08d}"
         tmp, final = self.root / f"{ck.TMP_PREFIX}{name}", self.root / name
         t0, staged = time.perf_counter(), threading.Event()
-        protected = frozenset(protected)
         self._wait()  # never two writes at once
         meta = self._meta(meta)
         if acc.is_main_process:
@@ -240,7 +242,7 @@ class CheckpointManager:
         meta: dict,
         t0: float,
         staged: threading.Event | None,
-        protected: frozenset[str],
+        protected: Protected,
     ):
         """Meta, extra files, per-rank hashes, manifest (last), rename; then the event and retention (rank 0).
 
@@ -281,10 +283,10 @@ class CheckpointManager:
         if cands and (problems := self.verify(cands[-1].path)):
             raise ck.CheckpointError(f"{cands[-1].path}: the last checkpoint does not verify: {problems[:3]}")
 
-    def prune(self, step: int, protected: frozenset[str] = frozenset()) -> None:
+    def prune(self, step: int, protected: Protected = NOTHING) -> None:
         """Keep the newest `keep_last`, milestones, `protected` ones, and always the newest that verifies."""
         cands = ck.list_checkpoints(self.root)
-        keep = ck.to_keep(cands, self.section.keep_last, self.section.keep_every_tokens, set(protected))
+        keep = ck.to_keep(cands, self.section.keep_last, self.section.keep_every_tokens, protected)
         for c in reversed(cands):  # the newest that passes the (cheap) manifest check is never pruned
             if not ck.verify(c.path, hashes=False):
                 keep.add(c.path)
@@ -302,7 +304,12 @@ class CheckpointManager:
         return commit.verify(Group(), Path(path), scan=self.deep_verify)
 
     def newest_good(self, max_step: int) -> Path | None:
-        """The newest checkpoint saved at or before `max_step` that verifies and recorded only finite losses."""
+        """The newest checkpoint saved at or before `max_step` that verifies and recorded only finite losses.
+
+        Joins a background write first: its commit prunes with what was protected when it was handed over, so a
+        target chosen while it runs could be removed under the episode that chose it. After the join, the choice
+        sees what a synchronous save would have left, and the episode protects it in every later save."""
+        self._wait()
         cand, _ = ck.newest_valid(self.root, max_step=max_step, finite_losses=True, check=self.verify)
         return cand.path if cand else None
 
@@ -360,7 +367,9 @@ class CheckpointManager:
 
     def load(self, path: Path) -> Restored:
         """Load model, optimizer and RNG from a checkpoint (resume and rollback), whatever number of processes saved
-        it; the meta is returned for the loop to hand to the run state and the parts."""
+        it; the meta and path are returned for the loop to hand to the run state and the parts (a part with files of
+        its own in the checkpoint reads them itself). Never while a background write runs: it is joined first."""
+        self._wait()
         meta = ck.read_meta(path)
         try:
             with weights_only(str(path)):
@@ -379,6 +388,4 @@ class CheckpointManager:
             raise PretrainerError(
                 f"--resume {path}: the checkpoint does not fit this recipe's model: {(lines or [str(e)[:200]])[0]}"
             ) from None
-        for sub, sidecar in self.sidecars.items():
-            sidecar.restore(Path(path) / sub)
         return Restored(Path(path), meta["step"], meta)

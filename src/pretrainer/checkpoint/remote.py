@@ -186,7 +186,7 @@ def prune_remote(url: str, section) -> list[str]:
     """Remote retention: the local rules (newest `keep_last`, milestones), and unfinished uploads but the newest."""
     fs, root = _fs(url)
     cands, unfinished = _remote_candidates(fs, root)
-    keep = ck.to_keep(cands, section.keep_last, section.keep_every_tokens, set())
+    keep = ck.to_keep(cands, section.keep_last, section.keep_every_tokens, ck.NOTHING)
     gone = [f"{root}/{c.path.name}" for c in cands if c.path not in keep]
     newest = cands[-1].meta["step"] if cands else -1
     gone += [d for d in unfinished if _step(d) is not None and _step(d) < newest]  # a newer one finished since

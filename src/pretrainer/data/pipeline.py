@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import DataError
+from ..files import OwnedLock
 from ..recipe.plan import StageSpan
 from ..recipe.schema import Recipe
 from ..recipe.sections import StageSection
@@ -79,19 +80,14 @@ def preparation_lock(cache_dir: str | Path, enabled: bool = True) -> Iterator[No
         yield
         return
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(cache_dir) / ".prepare.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lock = OwnedLock(Path(cache_dir) / ".prepare.lock")
+    if not lock.try_acquire():
+        print(f"data: waiting for another run (pid {lock.holder()}) preparing data in {cache_dir}", file=sys.stderr)
+        lock.acquire()
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            print(f"data: waiting for another run (pid {holder}) preparing data in {cache_dir}", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def source_dir(recipe: Recipe, name: str, tokenizer: PreTrainedTokenizerBase) -> Path:
@@ -156,6 +152,17 @@ def check_inline(recipe: Recipe, name: str) -> None:
         )
 
 
+class Drawn(NamedTuple):
+    """One optimizer step's draw for one rank."""
+
+    batches: list[torch.Tensor]
+    """Micro batches of shape [micro_batch_size, seq_len]."""
+    cursor: int
+    """The stage's next global sample index after the step."""
+    samples: tuple[int, int]
+    """The (first, last) global sample indices the whole step consumed (every rank's)."""
+
+
 class StageBatches:
     """The batches of one stage: global sample indices -> packed sequences, split over ranks and micro batches."""
 
@@ -203,9 +210,7 @@ class StageBatches:
         """The global sample indices of the step starting at `cursor`, and the next cursor."""
         return next_indices(cursor, self.span.sequences_per_step, skips)
 
-    def step_batches(
-        self, cursor: int, rank: int, world: int, skips: list[tuple[int, int]] | None = None
-    ) -> tuple[list[torch.Tensor], int, tuple[int, int]]:
+    def step_batches(self, cursor: int, rank: int, world: int, skips: list[tuple[int, int]] | None = None) -> Drawn:
         """The micro batches this rank trains on for one optimizer step.
 
         Args:
@@ -213,8 +218,7 @@ class StageBatches:
             skips: this stage's skipped (first, last) sample ranges.
 
         Returns:
-            (micro batches of shape [micro_batch_size, seq_len], the new cursor, the (first, last) global sample
-            indices that the whole step consumed).
+            the rank's micro batches, the new cursor, and the samples the whole step consumed.
         """
         idx, new_cursor = self.indices(cursor, skips or [])
         per_rank = len(idx) // world
@@ -224,7 +228,7 @@ class StageBatches:
         stacked = [np.stack(rows[j : j + mb]) for j in range(0, len(rows), mb)]
         if self.vocab is not None and max(int(x.max()) for x in stacked) >= self.vocab:  # numpy, before any tensor
             self._foreign_id(mine, rows)
-        return [torch.from_numpy(x.astype(np.int64)) for x in stacked], new_cursor, (idx[0], idx[-1])
+        return Drawn([torch.from_numpy(x.astype(np.int64)) for x in stacked], new_cursor, (idx[0], idx[-1]))
 
     def _foreign_id(self, indices: list[int], rows: list[np.ndarray]) -> None:
         for i, row in zip(indices, rows, strict=True):

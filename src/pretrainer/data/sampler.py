@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..recipe.sections import MIXTURE_BLOCK
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -68,7 +70,9 @@ class Draw:
 class MixtureSampler:
     """Maps a stage's global sample index to a source sample. Stateless apart from a cache."""
 
-    def __init__(self, weights: dict[str, float], sizes: dict[str, int], seed: int, stage: int, block: int = 4096):
+    def __init__(
+        self, weights: dict[str, float], sizes: dict[str, int], seed: int, stage: int, block: int = MIXTURE_BLOCK
+    ):
         names = [n for n in weights if weights[n] > 0]
         for n in names:
             if sizes.get(n, 0) <= 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError, first_line
@@ -33,7 +35,8 @@ def build_config(section: ModelSection, vocab_size: int | None = None, **token_i
         cfg["initializer_range"] = section.init_std
     cfg.update({k: v for k, v in token_ids.items() if v is not None})
     try:
-        return AutoConfig.for_model(model_type, trust_remote_code=section.trust_remote_code, **cfg)
+        with _config_logs_quiet():  # its token-id warning is superseded by the check below
+            config = AutoConfig.for_model(model_type, trust_remote_code=section.trust_remote_code, **cfg)
     except ValueError as e:
         if model_type not in CONFIG_MAPPING:
             raise RecipeError(f"model.config.model_type: {e}") from None
@@ -41,6 +44,40 @@ def build_config(section: ModelSection, vocab_size: int | None = None, **token_i
     except Exception as e:  # transformers validates fields with its own error types: all mean "this field"
         lines = [x.strip() for x in str(e).splitlines() if x.strip()]
         raise RecipeError(f"model.config: {lines[-1] if lines else type(e).__name__}") from None
+    _check_token_ids(config, declared=set(section.config))
+    return config
+
+
+def _check_token_ids(config: PretrainedConfig, declared: set[str]) -> None:
+    """Special-token ids inside the vocabulary. One the recipe set is an error naming it; one the model type brought
+    as a default (gpt2's 50256 beside a 512-token tokenizer) is dropped (None), as the tokenizer has no such token."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for name, value in list(config.to_diff_dict().items()) + [(n, getattr(config, n, None)) for n in _TOKEN_IDS]:
+        if not name.endswith("_token_id") or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if 0 <= value < vocab:
+            continue
+        if name in declared:
+            raise RecipeError(f"model.config: {value} is outside the vocabulary, 0 to {vocab - 1} (field '{name}')")
+        setattr(config, name, None)
+
+
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+@contextmanager
+def _config_logs_quiet():
+    import transformers
+
+    logger = transformers.utils.logging.get_logger("transformers.configuration_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def build_model(section: ModelSection, config: PretrainedConfig, meta: bool = False) -> PreTrainedModel:
@@ -215,7 +252,8 @@ class StageRope:
 
     def __init__(self, model: PreTrainedModel, stages):
         self.model, self.stages = model, stages
-        self.base = (dict(model.config.rope_parameters or {}), model.config.max_position_embeddings)
+        cfg = model.config  # a model without RoPE (gpt2's learned positions) has neither field: nothing to change
+        self.base = (dict(getattr(cfg, "rope_parameters", None) or {}), getattr(cfg, "max_position_embeddings", None))
 
     def enter(self, prev: int, index: int) -> dict[str, Any]:
         """Apply the RoPE changes of stages prev+1..index (all earlier ones when resuming into a later stage), so
@@ -227,7 +265,7 @@ class StageRope:
             stage = self.stages[k]
             if stage.rope is not None:
                 apply_stage_rope(self.model, stage.rope, stage.seq_len)
-        return dict(self.model.config.rope_parameters or {})
+        return dict(getattr(self.model.config, "rope_parameters", None) or {})
 
 
 LEARNED_POSITIONS = frozenset({"gpt2", "gpt_bigcode", "gpt_neo", "opt", "biogpt"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,6 +147,15 @@ def verdict_lines(o: Outlook, target: float | None = None) -> list[str]:
     return lines
 
 
+class InLoopForecast(NamedTuple):
+    metrics: dict[str, float]
+    """`forecast/final`, its band, `forecast/off_track`."""
+    event: dict
+    """The `forecast` event's details (the fitted law)."""
+    drift: dict | None
+    """The `off_track` event's details when a drift begins at this eval; None otherwise."""
+
+
 class Forecaster:
     """The in-loop part: after each eval, fit the law on the `val/ref` points so far (plus calibration curves) and
     log `forecast/final`, `forecast/final_lo`, `forecast/final_hi`, `forecast/off_track` and a `forecast` event
@@ -171,8 +181,8 @@ class Forecaster:
         if step > 0 and np.isfinite(value):
             self.points = [p for p in self.points if p[0] < step] + [(step, float(value))]
 
-    def forecast(self) -> tuple[dict[str, float], dict, dict | None] | None:
-        """(metrics, forecast event details, off-track event details when a drift begins at this eval), or None
+    def forecast(self) -> InLoopForecast | None:
+        """The metrics and events of this eval's forecast, or None
         while the fit has fewer than `MIN_POINTS` points to use. The drift check is `outlook`'s, as check_run's: a
         drift the law later bends to follow is caught here, when it shows, and stays in the event log."""
         if len(self.points) < MIN_POINTS:
@@ -187,7 +197,8 @@ class Forecaster:
         metrics[ev.FORECAST_OFF_TRACK] = float(bool(o.off_track))
         began = bool(o.off_track) and not self.off
         self.off = bool(o.off_track)
-        return metrics, o.fit.as_dict(), {"evals": o.off_track, "fit_step": o.fit_step_for_check} if began else None
+        drift = {"evals": o.off_track, "fit_step": o.fit_step_for_check} if began else None
+        return InLoopForecast(metrics, o.fit.as_dict(), drift)
 
     def state_dict(self) -> dict:
         return {"points": [list(p) for p in self.points], "off": self.off}

@@ -242,6 +242,11 @@ class LongDocsSection(Section):
     """Sequences from long documents are sampled this many times more often."""
 
 
+MIXTURE_BLOCK = 4096
+"""The mixture sampler deals sources out in blocks of this many samples (data/sampler.py): a source's share of a
+stage is a whole number of slots per block, so a weight below one slot cannot be drawn."""
+
+
 class StageSection(Section):
     """One stage of the run: its length, context, mixture, and RoPE change."""
 
@@ -266,6 +271,13 @@ class StageSection(Section):
             raise ValueError("`mixture` needs at least one source")
         if any(not math.isfinite(w) or w < 0 for w in self.mixture.values()) or sum(self.mixture.values()) <= 0:
             raise ValueError("mixture weights must be finite, >= 0 and not all zero")
+        total = sum(self.mixture.values())
+        for source, w in self.mixture.items():  # every stage at load, not only the one about to start
+            if 0 < w / total < 1 / MIXTURE_BLOCK:
+                raise ValueError(
+                    f"mixture weight of {source!r} is {w / total:.3g} of the stage, below the sampler's resolution "
+                    f"(1/{MIXTURE_BLOCK} of the samples); raise it or drop the source"
+                )
         return self
 
 

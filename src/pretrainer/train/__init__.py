@@ -8,5 +8,5 @@
 - `state`: the run state and the protocol of every stateful part;
 - `gns`, `preemption`, `rundir`: the noise scale, SIGTERM handling, the run directory's lock;
 - `launcher`: `accelerate launch` with the ranks' exit codes (scripts/launch.py);
-- `absorb`, `averaging`, `layers`, `evals`: skip-step, the merged weights, per-layer statistics, one eval round.
+- `skip_step`, `averaging`, `layers`, `evals`: skip-step, the merged weights, per-layer statistics, one eval round.
 """

@@ -78,7 +78,8 @@ def _dtensor_piece(name: str, p) -> Local:
 
 class WeightAverage:
     """The `averaging` part. `after_step` after each applied update; `swapped()` around an eval or export;
-    `save`/`restore` of the accumulators with each checkpoint; `state_dict` for meta.json."""
+    `save` of the accumulators with each checkpoint (the store calls it), `load_files` of them on a resume or
+    rollback (the loop calls it, through `Parts`, before `load_state_dict`); `state_dict` for meta.json."""
 
     def __init__(self, section: AveragingSection, module: torch.nn.Module, rank: int, start_step: int, every: int):
         """Args:
@@ -93,14 +94,20 @@ class WeightAverage:
         self._reset_counters()
 
     @classmethod
-    def for_recipe(cls, recipe, accelerator, model) -> WeightAverage | None:
-        sec = recipe.averaging
+    def for_section(
+        cls, sec: AveragingSection, accelerator, model, warmup_steps: int, eval_every: int
+    ) -> WeightAverage | None:
+        """The part for the recipe's `averaging` section (None when off).
+
+        Args:
+            warmup_steps: where averaging starts unless the section says.
+            eval_every: the window's merge interval unless the section says."""
         if not sec.enabled:
             return None
         if accelerator.distributed_type == DistributedType.FSDP and not _fsdp2(accelerator):
             raise PretrainerError("averaging: FSDP1 keeps flat parameters; use fsdp_version: 2 or DeepSpeed")
-        start = recipe.schedule.warmup_steps if sec.start_step is None else sec.start_step
-        every = sec.ema.every if sec.method == "ema" else (sec.window.every or recipe.eval.every_steps)
+        start = warmup_steps if sec.start_step is None else sec.start_step
+        every = sec.ema.every if sec.method == "ema" else (sec.window.every or eval_every)
         module = accelerator.unwrap_model(model)
         return cls(sec, module, accelerator.process_index, start, every)
 
@@ -220,6 +227,7 @@ class WeightAverage:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """The counters; `load_files` (called first, by `Parts.load_state_dict`) read the accumulators."""
         if state["active"] and self.merged is None:
             raise PretrainerError("averaging: the checkpoint's state says averaged, but it holds no averaging/ files")
         self.origin_tokens, self.last_tokens = state["origin_tokens"], state["last_tokens"]
@@ -254,7 +262,7 @@ class WeightAverage:
 
         return write
 
-    def restore(self, directory: Path) -> None:
+    def load_files(self, directory: Path) -> None:
         """The accumulators of a checkpoint (resume or rollback), whatever world size wrote them; none (averaging
         had not begun, or an older checkpoint) resets the average."""
         self.pieces = local_pieces(self.module, self.rank)  # a load may have replaced the live storage

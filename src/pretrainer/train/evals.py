@@ -6,18 +6,34 @@ from __future__ import annotations
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator
 from ..observe import events as ev
+from ..observe.health import HealthMonitor
 from ..observe.outlook import Forecaster
+from .averaging import WeightAverage
 
 
 class EvalRound:
-    def __init__(self, acc, model, tokenizer, sources, recipe, inputs, total_steps: int, log, health, average):
+    def __init__(
+        self,
+        *,
+        evaluate: Evaluator,
+        downstream: Downstream,
+        forecaster: Forecaster | None,
+        log,
+        health: HealthMonitor | None,
+        average: WeightAverage | None,
+    ):
         """Args:
+        evaluate: the held-out losses (and loss by position).
+        downstream: lm-eval's scores, when the recipe asks for them.
+        forecaster: the forecast part (None when `eval.forecast` is off).
         health: the main process's HealthMonitor (None elsewhere).
         average: the WeightAverage part (None when averaging is off)."""
-        self.evaluate = Evaluator.for_recipe(acc, model, sources, recipe, inputs)
-        self.downstream = Downstream(acc, model, tokenizer, recipe.eval.lm_eval, total_steps)
-        self.forecaster = Forecaster.for_recipe(recipe)
-        self.log, self.health, self.average = log, health, average
+        self.evaluate = evaluate
+        self.downstream = downstream
+        self.forecaster = forecaster
+        self.log = log
+        self.health = health
+        self.average = average
 
     def baseline(self, span) -> dict[str, float]:
         """At initialisation: every later validation loss is read against it."""
@@ -40,12 +56,12 @@ class EvalRound:
         if self.forecaster is not None and ev.VAL_REF in vals:  # the loss curve's law, refitted on val/ref
             self.forecaster.observe(step, vals[ev.VAL_REF])
             if (forecast := self.forecaster.forecast()) is not None:
-                vals.update(forecast[0])
+                vals.update(forecast.metrics)
         self.log.metrics(step, {"tokens": tokens, "stage": span.name, **vals})
         if forecast is not None:
-            self.log.event(ev.FORECAST, step, **forecast[1])
-            if forecast[2] is not None:
-                self.log.event(ev.OFF_TRACK, step, **forecast[2])
+            self.log.event(ev.FORECAST, step, **forecast.event)
+            if forecast.drift is not None:
+                self.log.event(ev.OFF_TRACK, step, **forecast.drift)
         if self.evaluate.context is not None:
             self.log.event(ev.CONTEXT, step, **self.evaluate.context)
         if self.health is not None:  # the same verdict as check_run.py, on what is logged so far

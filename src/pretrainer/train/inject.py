@@ -9,7 +9,8 @@ import torch
 
 from ..data.pipeline import StageBatches
 from ..observe import events as ev
-from ..recipe.sections import InjectSection
+from ..recipe.plan import StageSpan
+from ..recipe.sections import InjectSection, StageSection
 from ..runtime import innermost_optimizer
 
 
@@ -87,11 +88,13 @@ def wants_step_faults(inject: InjectSection) -> bool:
     return any(x is not None for x in fields)
 
 
-def stage_batches(recipe, spans, sources, stage: int, vocab_size: int) -> StageBatches:
+def stage_batches(
+    section: StageSection, span: StageSpan, sources, seed: int, vocab_size: int, inject: InjectSection
+) -> StageBatches:
     """A stage's batches: with `debug.inject.poison_samples` applied when it names this stage (a drill: the same
     samples poisoned at every draw)."""
-    args = (recipe.stages[stage], spans[stage], sources, recipe.run.seed, vocab_size)
-    poison = recipe.debug.inject.poison_samples
-    if poison is not None and poison[0] == stage:
+    args = (section, span, sources, seed, vocab_size)
+    poison = inject.poison_samples
+    if poison is not None and poison[0] == span.index:
         return PoisonedBatches(*args, first=poison[1], last=poison[2], vocab_size=vocab_size)
     return StageBatches(*args)

@@ -4,7 +4,8 @@ loop performs it.
 
 1. On a spike (see spikes.py), roll back to the newest checkpoint whose weights predate the onset by at least one
    update (the update just before the first bad loss may itself be the cause), that verifies, and whose recorded
-   losses were finite. It is protected from pruning until the episode ends (`protected()`).
+   losses were finite. It is protected from pruning until the episode ends (`protected()`), and so is the candidate
+   of a run of suspect steps that may yet become a spike.
 2. Replay. If the spike recurs on the same steps, the data are to blame: re-run the suspect steps' batches without
    gradients, blame the samples whose own loss is an outlier (all of the steps' samples when none stands out), and
    roll back again with them (plus `skip_margin`) as skips for the ledger.
@@ -24,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from ..checkpoint.format import Protected
 from ..errors import PretrainerError
 from ..files import atomic_write_json, read_json
 from ..observe import events as ev
@@ -36,7 +38,11 @@ LEDGER = "skip_ledger.json"
 
 
 class SpikeAbort(PretrainerError):
-    exit_code = SPIKE_ABORT_EXIT
+    """The run stopped itself on a spike it could not recover from; checkpoints intact."""
+
+    def __init__(self, message: str, exit_code: int = SPIKE_ABORT_EXIT):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 SampleLosses = Callable[[int, int, list[tuple[int, int]]], tuple[list[int], list[float]]]
@@ -93,9 +99,12 @@ class SpikeHandler:
     def record(self, step: int, stage: int, cursor_before: int) -> None:
         self.steps.append((step, stage, cursor_before))
 
-    def protected(self) -> frozenset[str]:
-        """Checkpoint names retention must keep: the open episode's rollback target."""
-        return frozenset([Path(self.pending["target"]).name]) if self.pending else frozenset()
+    def protected(self) -> Protected:
+        """What retention must keep: the open episode's rollback target, and while a run of suspect steps is open,
+        the newest checkpoint from before its onset less one update (where a spike confirmed later rolls back to)."""
+        names = frozenset([Path(self.pending["target"]).name]) if self.pending else frozenset()
+        suspect = self.detector.onset()
+        return Protected(names, None if suspect is None else suspect - 2)
 
     def after_step(self, step: int, loss: float, grad_norm: float | None, skips: list[list[int]]) -> Decision:
         """Judge a finished step (its loss averaged over ranks and its gradient norm, on the host).

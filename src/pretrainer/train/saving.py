@@ -1,16 +1,14 @@
 """When to save: every `every_tokens` tokens, every `every_minutes` of wall clock, at each stage end. Policy only:
-the store (checkpoint/manager.py) writes what the loop asks it to. And the run's models at its end."""
+the store (checkpoint/manager.py) writes what the loop asks it to."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 from accelerate.utils import broadcast
 
 from ..checkpoint import tokens_crossed
-from ..checkpoint.export import save_final
 from ..recipe.sections import CheckpointSection
 
 
@@ -37,12 +35,3 @@ class SaveClock:
         if self.acc.num_processes > 1:
             late = bool(broadcast(torch.tensor([float(late)], device=self.acc.device), from_process=0).item())
         return "time" if late else None
-
-
-def save_models(acc, model, tokenizer, out: Path, average, record: dict) -> Path:
-    """`out/final/` (save_pretrained model + tokenizer) and, with averaging, `out/merged/` beside it; each with its
-    provenance (`record`: run id, step, tokens)."""
-    if average is not None:
-        merged = {**record, "merged": True}
-        average.with_merged(lambda: save_final(acc, model, tokenizer, out / "merged", merged))
-    return save_final(acc, model, tokenizer, out / "final", record)

@@ -17,9 +17,24 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import NamedTuple
 
 from ..observe import events as ev
 from ..recipe.stability import SkipStepSection
+
+
+class Observed(NamedTuple):
+    """A step's values on the host: the loss averaged over ranks and the global pre-clip gradient norm."""
+
+    loss: float
+    grad_norm: float | None
+
+
+class Skipped(NamedTuple):
+    """Why an update was held back (`non_finite`, `loss`, `grad_norm`, `limit`) and the limit it crossed."""
+
+    reason: str
+    limit: float
 
 
 def _mean_sd(values: deque[float]) -> tuple[float, float]:
@@ -52,28 +67,36 @@ class SkipStep:
         mean, sd = _mean_sd(self.norms)
         return loss_limit, max(mean + k * sd, self.cfg.grad_norm_ratio * mean)
 
-    def judge(self, loss: float, grad_norm: float | None) -> tuple[str, float] | None:
+    def judge(self, loss: float, grad_norm: float | None) -> Skipped | None:
         """The reason to skip this step and the limit it crossed, or None to apply it. Records the step's values
         (finite ones) in the history either way."""
         finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
-        verdict = None if finite else ("non_finite", math.nan)
+        verdict = None if finite else Skipped("non_finite", math.nan)
         if finite and (lim := self.limits()) is not None:
-            if loss > lim[0]:
-                verdict = ("loss", lim[0])
-            elif grad_norm is not None and grad_norm > lim[1]:
-                verdict = ("grad_norm", lim[1])
+            loss_limit, norm_limit = lim
+            if loss > loss_limit:
+                verdict = Skipped("loss", loss_limit)
+            elif grad_norm is not None and grad_norm > norm_limit:
+                verdict = Skipped("grad_norm", norm_limit)
         if finite:
             self.losses.append(loss)
             if grad_norm is not None:
                 self.norms.append(grad_norm)
         return verdict
 
-    def lost(self, step: int, observed, verdict: tuple[str, float], tokens: int, log) -> None:
+    def lost(self, step: int, observed: Observed, skipped: Skipped, tokens: int, log) -> None:
         """A step's update was held back: count it and its tokens, and log the `skipped_update` event."""
         self.skipped += 1
         self.tokens_lost += tokens
-        (loss, grad_norm), (reason, limit) = observed, verdict
-        log.event(ev.SKIPPED_UPDATE, step, loss=loss, grad_norm=grad_norm, reason=reason, limit=limit, tokens=tokens)
+        log.event(
+            ev.SKIPPED_UPDATE,
+            step,
+            loss=observed.loss,
+            grad_norm=observed.grad_norm,
+            reason=skipped.reason,
+            limit=skipped.limit,
+            tokens=tokens,
+        )
 
     def start_stage(self) -> None:
         """A new stage shifts the loss level (seq_len, RoPE, mixture): judge it against its own steps only."""

@@ -102,6 +102,10 @@ class SpikeDetector:
         scale = max(sd, self.min_rel_scale * abs(pred), 1e-8)
         return (loss - pred) / scale, pred, scale
 
+    def onset(self) -> int | None:
+        """The first step of the open run of suspect steps (a spike in the making), or None."""
+        return self.run[0][0] if self.run else None
+
     def _accept(self, step: int, loss: float) -> None:
         for s, v, z in self.run:  # the suspects were noise after all (a gross one-step outlier stays out)
             if z <= self.threshold:

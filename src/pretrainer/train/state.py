@@ -4,6 +4,7 @@ checkpoint carries, and the registry the loop saves and restores them through.""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -11,7 +12,9 @@ class Stateful(Protocol):
     """A part of the run that a checkpoint saves into meta.json and restores (torch's Stateful, JSON-ready).
 
     A part may also define `rewind(state)`, used instead of `load_state_dict` on a rollback: what it keeps there is
-    history that must outlive the rollback (the spike handler's open episode, the skip ledger)."""
+    history that must outlive the rollback (the spike handler's open episode, the skip ledger); and
+    `load_files(directory)`, for state too large for meta.json that the store wrote into the checkpoint's
+    sub-directory of the part's name (the averaged weights): read before `load_state_dict`, in one place."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -30,7 +33,6 @@ class RunState:
     """The stage's next global sample index (the sampler maps it to data in O(1))."""
     skips: list[list[int]] = field(default_factory=list)
     """The skip ledger: [stage, first_sample, last_sample] ranges excluded from training."""
-    train_seconds: float = 0.0
 
     def skips_for(self, stage: int) -> list[tuple[int, int]]:
         return [(a, b) for s, a, b in self.skips if s == stage]
@@ -46,7 +48,7 @@ class RunState:
         return asdict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for k in ("step", "tokens", "stage_index", "cursor", "train_seconds"):
+        for k in ("step", "tokens", "stage_index", "cursor"):
             setattr(self, k, state[k])
         self.skips = [list(x) for x in state["skips"]]
 
@@ -80,10 +82,13 @@ class Parts:
     def state_dict(self) -> dict[str, dict[str, Any]]:
         return {name: part.state_dict() for name, part in self._parts.items()}
 
-    def load_state_dict(self, meta: dict[str, Any], rollback: bool = False) -> None:
+    def load_state_dict(self, meta: dict[str, Any], directory: Path, rollback: bool = False) -> None:
         """Each part from `meta[name]` (absent in an older checkpoint: left as it is); on a rollback through the
-        part's `rewind` where it has one."""
+        part's `rewind` where it has one. A part with files of its own reads them first, from `directory/name`
+        (the checkpoint restored), whether or not the meta names it: no files there resets it."""
         for name, part in self._parts.items():
+            if (load_files := getattr(part, "load_files", None)) is not None:
+                load_files(Path(directory) / name)
             if meta.get(name) is None:
                 continue
             load = getattr(part, "rewind", None) if rollback else None

@@ -11,9 +11,11 @@ from pathlib import Path
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from ..checkpoint import CheckpointManager, Restored
+from ..checkpoint import NOTHING, CheckpointManager, Restored
+from ..checkpoint.export import save_final
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
-from ..evaluation.validation import eval_due, sample_losses
+from ..evaluation.downstream import Downstream
+from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
 from ..model.build import flops_per_token
 from ..model.masking import model_inputs
@@ -21,27 +23,30 @@ from ..observe import events as ev
 from ..observe.console import announce, end_block, start_block
 from ..observe.health import HealthMonitor
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
+from ..observe.outlook import Forecaster
 from ..observe.tracking import RunLog, alert, quiet_known_noise
 from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
 from ..runtime import fp8_capable
-from .absorb import SkipStep
 from .accelerator import launch_findings, make_accelerator
 from .averaging import WeightAverage
 from .build import build
 from .decisions import OK, Abort, Decision, Ok
 from .evals import EvalRound
 from .gns import GradientNoise
+from .hooks import FaultHook, LayerHook, NoiseHook, ProbeHook, StepHook, ZLossHook
 from .inject import StepFaults, stage_batches, wants_step_faults
 from .layers import layer_stats_for
 from .preemption import Preempted, PreemptFlag
 from .probe import OptimizerProbe
 from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
-from .resume import check_compatible, check_data, choose_checkpoint, run_identity
+from .resume import check_compatible, check_data, choose_checkpoint
 from .rundir import RunDir
-from .saving import SaveClock, save_models
+from .saving import SaveClock
+from .skip_step import SkipStep
+from .startup import run_identity
 from .state import Parts, RunState
 from .step import StepOutcome, StepRunner
 
@@ -59,10 +64,15 @@ class Trainer:
         allow_data_change: bool = False,
         deep_verify: bool = False,
     ):
-        self.recipe, self.plan, self.deep_verify = recipe, recipe.plan, deep_verify
-        self.recipe_plain, self.recipe_hash = recipe_dict(recipe), recipe_hash(recipe)
+        self.recipe = recipe
+        self.plan = recipe.plan
+        self.deep_verify = deep_verify
+        self.recipe_plain = recipe_dict(recipe)
+        self.recipe_hash = recipe_hash(recipe)
         self.output_dir = Path(output_dir or recipe.output_dir)
-        self.resume_spec, self.allow_changes = resume, (allow_recipe_change, allow_data_change)
+        self.resume_spec = resume
+        self.allow_recipe_change = allow_recipe_change
+        self.allow_data_change = allow_data_change
         self.rundir = RunDir(self.output_dir, resume, overwrite, old_dirs=(recipe.logging.project,))
         self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends the run with exit 75
         with self.rundir.released_after(always=False):
@@ -70,7 +80,8 @@ class Trainer:
 
     def _setup(self) -> None:
         recipe = self.recipe
-        self.spans, self.total_steps = list(self.plan.spans), self.plan.total_steps
+        self.spans = list(self.plan.spans)
+        self.total_steps = self.plan.total_steps
         self.grad_accum = self.plan.grad_accum(int(os.environ.get("WORLD_SIZE", "1")))
         self.accelerator = acc = make_accelerator(recipe, self.output_dir, self.grad_accum)
         quiet_known_noise()
@@ -90,21 +101,29 @@ class Trainer:
         self._build_parts()
 
     def _build_model(self) -> None:
-        self.built = b = build(self.recipe, self.accelerator, self.tokenizer, self.plan, self.grad_accum)
-        self.model, self.optimizer, self.scheduler, self.config = b.model, b.optimizer, b.scheduler, b.config
-        self.rope, self.n_params, self.n_non_emb, self.fused = b.rope, b.n_params, b.n_non_emb, b.fused
+        self.built = build(self.recipe, self.accelerator, self.tokenizer, self.plan, self.grad_accum)
+        self.model = self.built.model
+        self.optimizer = self.built.optimizer
+        self.scheduler = self.built.scheduler
+        self.config = self.built.config
+        self.rope = self.built.rope
+        self.n_params = self.built.n_params
+        self.n_non_emb = self.built.n_non_emb
         self.peak = peak_tflops(self.recipe.logging.peak_tflops)
 
     def _build_parts(self) -> None:
         recipe, acc = self.recipe, self.accelerator
-        self.state, self.loss_stats = RunState(), LossStats()
+        self.state = RunState()
+        self.loss_stats = LossStats()
         attn = acc.unwrap_model(self.model).config._attn_implementation
         self.inputs = model_inputs(recipe.data.document_masking, self.tokenizer.eos_token_id, attn)
         # The noise scale needs one micro batch's own gradient: not available when DeepSpeed/FSDP shard gradients,
         # nor when a step is a single micro batch on a single process.
         plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.gns = GradientNoise(recipe.logging.every_steps) if plain and self.grad_accum > 1 else None
-        self.average = WeightAverage.for_recipe(recipe, acc, self.model)
+        self.average = WeightAverage.for_section(
+            recipe.averaging, acc, self.model, recipe.schedule.warmup_steps, recipe.eval.every_steps
+        )
         self.ckpt = CheckpointManager(
             acc,
             recipe.checkpoint,
@@ -128,44 +147,52 @@ class Trainer:
             {"lr": self.scheduler, "loss_stats": self.loss_stats, "gns": self.gns, "spikes": self.spikes}
         )
         self.parts.register_all({"skip_step": self.skip, "averaging": self.average})
-        inject = recipe.debug.inject
         self.runner = StepRunner(
             acc,
             self.model,
             self.optimizer,
             self.scheduler,
             self.plan.max_grad_norm,
-            self.log,
             guard=self.guard,
             inputs=self.inputs,
-            gns=self.gns,
-            faults=StepFaults(inject, self.log) if wants_step_faults(inject) else None,
-            probe=OptimizerProbe(self.optimizer, recipe.logging.every_steps, True)
-            if self.built.assignment.muon
-            else None,
             skip=self.skip,
-            layers=self.layer_stats,
-            zloss=self.built.zloss,
+            hooks=self._step_hooks(),
         )
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
             self.log.observers.append(self.health)
         self.evals = EvalRound(
-            acc,
-            self.model,
-            self.tokenizer,
-            self.sources,
-            recipe,
-            self.inputs,
-            self.total_steps,
-            self.log,
-            self.health,
-            self.average,
+            evaluate=Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs),
+            downstream=Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps),
+            forecaster=Forecaster.for_recipe(recipe),
+            log=self.log,
+            health=self.health,
+            average=self.average,
         )
         self.parts.register_all({"forecast": self.evals.forecaster})
         self._batchers: dict[int, StageBatches] = {}
         self.applied_stage = -1  # stages whose RoPE changes are in the live model
-        self.span, self.batcher, self.last, self.bar = None, None, {}, None
+        self.span = None
+        self.batcher = None
+        self.last = {}
+        self.bar = None
+
+    def _step_hooks(self) -> list[StepHook]:
+        """The optional work around each step that the recipe turned on, in the order the step calls it."""
+        recipe, acc = self.recipe, self.accelerator
+        hooks: list[StepHook] = []
+        if wants_step_faults(recipe.debug.inject):
+            faults = StepFaults(recipe.debug.inject, self.log)
+            hooks.append(FaultHook(faults, self.optimizer, acc.process_index, acc.num_processes))
+        if self.gns is not None:
+            hooks.append(NoiseHook(self.gns, self.model))
+        if self.layer_stats is not None:
+            hooks.append(LayerHook(self.layer_stats))
+        if self.built.assignment.muon:
+            hooks.append(ProbeHook(OptimizerProbe(self.optimizer, recipe.logging.every_steps, True)))
+        if self.built.zloss is not None:
+            hooks.append(ZLossHook(self.built.zloss, acc.device))
+        return hooks
 
     def _spike_handler(self) -> SpikeHandler:
         acc = self.accelerator
@@ -181,7 +208,14 @@ class Trainer:
 
     def batches_for(self, stage: int) -> StageBatches:
         if stage not in self._batchers:
-            self._batchers[stage] = stage_batches(self.recipe, self.spans, self.sources, stage, self.config.vocab_size)
+            self._batchers[stage] = stage_batches(
+                self.recipe.stages[stage],
+                self.spans[stage],
+                self.sources,
+                self.recipe.run.seed,
+                self.config.vocab_size,
+                self.recipe.debug.inject,
+            )
         return self._batchers[stage]
 
     # ------------------------------------------------------------------ the run
@@ -263,7 +297,8 @@ class Trainer:
         span = self.span = self.plan.stage_at(st.step)
         self.batcher = self.batches_for(span.index)
         if span.index != st.stage_index:
-            st.stage_index, st.cursor = span.index, 0
+            st.stage_index = span.index
+            st.cursor = 0
         rope = self.rope.enter(prev, span.index)  # RoPE as trained, into final/config.json
         self.applied_stage = span.index
         if prev == span.index:  # back in the stage we were in (a rollback): nothing new starts
@@ -291,11 +326,10 @@ class Trainer:
         st, span, acc = self.state, self.span, self.accelerator
         self.lr = self.scheduler.get_last_lr()[0]
         cursor, t0 = st.cursor, time.perf_counter()
-        batches, st.cursor, _ = self.batcher.step_batches(
-            cursor, acc.process_index, acc.num_processes, st.skips_for(span.index)
-        )
+        drawn = self.batcher.step_batches(cursor, acc.process_index, acc.num_processes, st.skips_for(span.index))
+        st.cursor = drawn.cursor
         self.window.data_s += time.perf_counter() - t0  # host time building the step's batches: the data wait
-        outcome = self.runner(batches, st.step + 1)
+        outcome = self.runner(drawn.batches, st.step + 1)
         self.tokens_before = st.tokens
         st.step += 1
         st.tokens += span.tokens_per_step
@@ -305,6 +339,8 @@ class Trainer:
         kill_point(f"step:{st.step}")
         if self.spikes is not None:
             self.spikes.record(st.step, span.index, cursor)
+        if self.average is not None and outcome.applied:  # the part's per-step work, before an eval reads it
+            self.average.after_step(st.step, st.tokens)
         return outcome
 
     def _decide(self, outcome: StepOutcome) -> Decision:
@@ -312,20 +348,20 @@ class Trainer:
         inside the step: it must, before the update)."""
         if self.spikes is None:
             return OK
-        loss, grad_norm = outcome.observed
-        return self.spikes.after_step(outcome.step, loss, grad_norm, self.state.skips)
+        observed = outcome.observed
+        return self.spikes.after_step(outcome.step, observed.loss, observed.grad_norm, self.state.skips)
 
     def _act(self, decision: Decision) -> None:
         """The one place where a decision changes the run: stop, or restore a checkpoint and replay."""
         if isinstance(decision, Abort):
-            raise SpikeAbort(decision.message)
+            raise SpikeAbort(decision.message, decision.exit_code)
         st, acc = self.state, self.accelerator
         for stage, first, last in decision.skips:
             st.add_skip(stage, first, last)
         restored = self.ckpt.load(decision.target)
         tokens_before = st.tokens
         st.rewind(restored.meta)
-        self.parts.load_state_dict(restored.meta, rollback=True)
+        self.parts.load_state_dict(restored.meta, restored.path, rollback=True)
         if acc.is_main_process:
             write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
         replayed = decision.step - st.step
@@ -339,7 +375,8 @@ class Trainer:
         )
         alert(acc, self.recipe.logging.report_to, "Rollback", f"step {decision.step} -> {st.step} ({decision.target})")
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
-        self.bar.n, self.span = st.step, None  # re-enter the stage the restored step is in
+        self.span = None  # re-enter the stage the restored step is in
+        self.bar.n = st.step
         self.bar.refresh()
 
     def _resume(self) -> Restored | None:
@@ -350,13 +387,13 @@ class Trainer:
         if path is None:
             return None
         check_compatible(
-            path, self.recipe_plain, self.allow_changes[0], self.log, self.output_dir, acc.is_main_process
+            path, self.recipe_plain, self.allow_recipe_change, self.log, self.output_dir, acc.is_main_process
         )
-        check_data(path, self.data_keys, self.allow_changes[1], self.log)
+        check_data(path, self.data_keys, self.allow_data_change, self.log)
         restored = self.ckpt.load(path)
         st = self.state
         st.load_state_dict(restored.meta)
-        self.parts.load_state_dict(restored.meta)
+        self.parts.load_state_dict(restored.meta, restored.path)
         if ledger:
             st.merge_skips(ledger["skips"])
             if self.spikes is not None:
@@ -373,8 +410,6 @@ class Trainer:
         """After a step: log, evaluate, checkpoint, and stop cleanly on preemption."""
         st, span, acc = self.state, self.span, self.accelerator
         self.bar.update(1)
-        if self.average is not None and outcome.skipped is None:  # before an eval at this step reads it
-            self.average.after_step(st.step, st.tokens)
         log_now = st.step % self.recipe.logging.every_steps == 0 or st.step == self.total_steps
         reason = self.save_clock.due(self.tokens_before, st.tokens, st.step == span.end_step, log_now)
         if self.preempt.check(acc, log_now):
@@ -408,13 +443,14 @@ class Trainer:
             "data": self.data_keys,
             "recipe": self.recipe_plain,
         }
-        self.ckpt.save(meta, protected=self.spikes.protected() if self.spikes else frozenset())
+        self.ckpt.save(meta, protected=self.spikes.protected() if self.spikes else NOTHING)
         self.save_clock.mark()
 
     def _log_train(self, outcome: StepOutcome) -> dict:
         """One metrics line (one host sync for all of the window's losses): loss, LR, grad norm, throughput, MFU,
         memory, data wait, checkpoint blocking."""
-        st, span, grad_norm = self.state, self.span, outcome.grad_norm
+        st, span = self.state, self.span
+        grad_norm = outcome.grad_norm
         steps, losses = self.window.flush(self.accelerator)
         self.loss_stats.extend(losses)
         record = train_record(
@@ -444,6 +480,13 @@ class Trainer:
         return record
 
     def save_final(self) -> Path:
+        """The run's models at its end: `final/` (save_pretrained model and tokenizer, loadable by
+        AutoModelForCausalLM.from_pretrained) and, with averaging on, `merged/` beside it with the averaged weights;
+        each with its provenance (run id, step, tokens). Returns `final/`."""
         st = self.state
-        rec = {"run_id": self.identity.run_id, "step": st.step, "tokens": st.tokens, "from": "the live run"}
-        return save_models(self.accelerator, self.model, self.tokenizer, self.output_dir, self.average, rec)
+        record = {"run_id": self.identity.run_id, "step": st.step, "tokens": st.tokens, "from": "the live run"}
+        acc, out = self.accelerator, self.output_dir
+        if self.average is not None:
+            merged = {**record, "merged": True}
+            self.average.with_merged(lambda: save_final(acc, self.model, self.tokenizer, out / "merged", merged))
+        return save_final(acc, self.model, self.tokenizer, out / "final", record)
