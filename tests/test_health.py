@@ -171,3 +171,41 @@ def test_batched_trend_fit_is_the_live_fit():
     live = np.array([trend_fit(steps[i], losses[i], at[i]) for i in range(64)])
     np.testing.assert_allclose(coef[:, 0], live[:, 0], rtol=1e-10)
     np.testing.assert_allclose(sd, live[:, 1], rtol=1e-8)
+
+
+def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
+    """The detector's defaults are the recipe's; check_run replays with the run's own `spikes` section (read from
+    its resolved recipe), so a run that raised its threshold is judged offline by that threshold, as live."""
+    from pretrainer.observe.health import spike_rule
+    from pretrainer.recipe.sections import SpikesSection
+    from pretrainer.train.decisions import OK
+    from pretrainer.train.recovery import SpikeHandler
+    from pretrainer.train.spike_replay import spike_episodes, spike_episodes_stepwise
+    from pretrainer.train.spikes import SpikeDetector
+
+    d, s = SpikeDetector(), SpikesSection()
+    assert (d.window, d.threshold, d.persistence, d.min_history, d.grace_steps) == (
+        s.window,
+        s.threshold,
+        s.persistence,
+        s.min_history,
+        s.grace_steps,
+    )
+    losses = curve(n=600, seed=3)
+    bumped = [(st, v + (0.25 if 400 <= st < 403 else 0.0)) for st, v in losses]  # a 5-sd bump
+    strict = SpikesSection(threshold=6.0, window=60)
+    run = {"recipe": {"spikes": {"threshold": 6.0, "window": 60}}}
+    assert spike_rule(run) == strict and spike_rule({"recipe": None}) == s
+    assert spike_rule({"recipe": {"spikes": {"threshold": 6.0, "a_field_from_later": 1}}}).threshold == 6.0
+    assert [e["onset"] for e in spike_episodes(bumped, [20])] == [400]
+    assert spike_episodes(bumped, [20], strict) == spike_episodes_stepwise(bumped, [20], strict) == []
+
+    class Log:
+        def event(self, *a, **k):
+            pass
+
+    for cfg, onsets in ((s, [400]), (strict, [])):  # the live handler, fed the same steps, agrees
+        h = SpikeHandler(cfg, lambda m: None, None, Log(), lambda *a: None)
+        h.start_grace(20)
+        found = [st for st, v in bumped if h.after_step(st, v, 1.0, skips=[]) != OK]
+        assert [st - cfg.persistence + 1 for st in found] == onsets

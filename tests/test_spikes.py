@@ -14,7 +14,8 @@ from conftest import FIXTURES
 
 from pretrainer import checkpoint as ck
 from pretrainer.observe.tracking import read_jsonl
-from pretrainer.train.spikes import SpikeDetector, outliers, sample_ranges
+from pretrainer.train.recovery import measured_outliers
+from pretrainer.train.spikes import SpikeDetector, sample_ranges
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +57,22 @@ def test_nan_and_inf_are_always_spikes_and_state_roundtrips():
     assert again.update(151, 100.0) == det.update(151, 100.0)
 
 
-def test_blame_helpers():
-    vals = [3.0] * 10 + [8.0, 8.1] + [3.1] * 10
-    assert outliers(vals) == [10, 11]
+def test_blame_measures_samples_against_the_steps_before():
+    rng = np.random.default_rng(0)
+    ref = (5.0 + 0.2 * rng.standard_normal(128)).tolist()  # the samples of the 8 steps before the spike
+    poisoned = (5.0 + 0.2 * rng.standard_normal(48)).tolist()
+    poisoned[10:14] = [8.3, 8.2, math.nan, 8.4]  # random-token samples sit ~15 sd above; NaN always
+    bad, evidence = measured_outliers(poisoned, ref)
+    assert bad == [10, 11, 12, 13] and evidence["outliers"] == 4 and evidence["reference_samples"] == 128
+    # a healthy excursion replayed exactly: every sample 1.5 sd harder than usual, none an outlier: nothing blamed
+    harder = (5.3 + 0.2 * rng.standard_normal(48)).tolist()
+    assert measured_outliers(harder, ref)[0] == []
+    # a whole batch of garbage: every sample is an outlier, all of them are blamed
+    assert measured_outliers([9.0 + 0.01 * k for k in range(16)], ref)[0] == list(range(16))
+    # one outlier that leaves most of a broadly elevated batch's excess: the batch is elevated, not the sample
+    broad = [5.5] * 47 + [9.0]
+    bad, evidence = measured_outliers(broad, ref)
+    assert bad == [] and "whole batch is elevated" in evidence["unexplained"]
     assert sample_ranges([5, 6, 7, 20], margin=1) == [(4, 8), (19, 21)]
 
 
@@ -154,7 +168,8 @@ def test_nan_never_reaches_the_optimizer(tmp_path, cache_dir):
     assert [e["step"] for e in events(out, "skipped_update")] == [26]
     sp = events(out, "spike")
     assert sp[0]["onset"] == 26 and "non-finite" in sp[0]["reason"]
-    assert events(out, "rollback")[0]["to_step"] == 24
+    # its update was held back, so the weights never saw it: absorbed in place, no rollback (tier 1, not tier 2)
+    assert [e["onset"] for e in events(out, "absorbed")] == [26] and events(out, "rollback") == []
     for c in ck.list_checkpoints(out / "checkpoints"):
         assert ck.verify(c.path) == []  # finite weights and optimizer state everywhere
 
@@ -249,14 +264,15 @@ def tiny(out, cache_dir, *extra):
 @pytest.mark.slow  # two 100-step tiny runs, ~270 s: in `make test-slow`, which CI runs too
 def test_default_settings_catch_a_poisoned_range_on_the_tiny_recipe(tmp_path, cache_dir):
     """The user's case: tiny recipe, default `spikes`, steps 66-69 (samples 2080..2207) poisoned, well after
-    warmup (20) and grace (20). Detected, rolled back, recurs, the whole range is skipped, the run finishes."""
+    warmup (20) and grace (20). Detected, rolled back, recurs, every sample of the spike's steps measures as an
+    outlier against the steps before, the whole range is skipped, the run finishes."""
     clean, bad = tmp_path / "clean", tmp_path / "bad"
     assert run_recipe.main(tiny(clean, cache_dir)) == 0
     assert events(clean, "spike") == [] and events(clean, "rollback") == []
     assert run_recipe.main(tiny(bad, cache_dir, "--set", "debug.inject.poison_samples=[0, 2080, 2207]")) == 0
     spikes, skips = events(bad, "spike"), events(bad, "skip")
     assert spikes and spikes[0]["onset"] == 66 and len(events(bad, "rollback")) == 2
-    assert {s["blame"] for s in skips} == {"steps"}  # no sample stands out: the steps' whole batches go
+    assert {s["blame"] for s in skips} == {"samples"}  # every poisoned sample is a measured outlier: all go
     assert [(s["first"], s["last"]) for s in skips] == [(2080, 2175)]  # steps 66-68, detected at 68
     assert abs(final_val(bad) - final_val(clean)) <= 0.05 * final_val(clean)
 

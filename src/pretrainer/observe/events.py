@@ -71,11 +71,29 @@ SPIKE = _kind(
     incident=True,
 )
 ROLLBACK = _kind(
-    "rollback", ("to_step", "path", "replayed", "tokens"), "restored an earlier checkpoint: tier 2", incident=True
+    "rollback",
+    ("to_step", "path", "replayed", "tokens", "evidence"),
+    "restored an earlier checkpoint: tier 2 (`evidence`: the spike it acted on)",
+    incident=True,
 )
 ROLLBACK_LIMIT = _kind("rollback_limit", ("rollbacks", "window"), "too many rollbacks: the run stops")
 SKIP = _kind(
-    "skip", ("stage", "first", "last", "onset", "blame"), "a sample range added to the skip ledger", incident=True
+    "skip",
+    ("stage", "first", "last", "onset", "blame", "evidence"),
+    "a sample range added to the skip ledger (`evidence`: the blamed samples' losses against the steps before)",
+    incident=True,
+)
+RECURRED = _kind(
+    "recurred",
+    ("onset", "evidence"),
+    "a spike recurred on the exact replay but no sample of its steps stands out: nothing skipped, the run goes on",
+    incident=True,
+)
+ABSORBED = _kind(
+    "absorbed",
+    ("onset", "steps"),
+    "a spike whose every update skip-step held back: the weights never saw it, no rollback",
+    incident=True,
 )
 TRANSIENT = _kind("transient", ("onset", "end"), "a replay stayed healthy: the spike was transient", incident=True)
 

@@ -20,6 +20,7 @@ import yaml
 
 from .. import checkpoint as ck
 from ..evaluation.context import context_verdict
+from ..recipe.sections import SpikesSection
 from ..train.spike_replay import spike_episodes
 from . import events as ev
 from .tracking import read_jsonl
@@ -72,6 +73,20 @@ def _rows(path: Path):
                 yield line, json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def spike_rule(run: dict[str, Any]) -> SpikesSection:
+    """The run's own `spikes` section, as the live loop used it (the defaults for a run without a resolved recipe,
+    or one written before a field existed)."""
+    section = ((run["recipe"] or {}).get("spikes")) or {}
+    try:
+        return SpikesSection.model_validate(section)
+    except ValueError:  # a recipe from another version: its known fields, the defaults for the rest
+        known = {k: v for k, v in section.items() if k in SpikesSection.model_fields}
+        try:
+            return SpikesSection.model_validate(known)
+        except ValueError:
+            return SpikesSection()
 
 
 def grace_starts(run: dict[str, Any]) -> list[int]:
@@ -262,7 +277,7 @@ def report(
     finished = any(e["event"] == ev.RUN_END for e in events)
     idle = time.time() - run["last_write"] if run["last_write"] else None
     val = [(m["step"], val_of(m)) for m in run["evals"]]
-    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_starts(run))
+    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_starts(run), spike_rule(run))
     v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes)
     if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
         reasons = [*reasons, f"remote copies failing: {remote['failed']} failed, last: {remote['last_error']}"]

@@ -349,7 +349,7 @@ class SpikesSection(Section):
     """Detect spikes and recover by rollback. Costs one host sync per step (the NaN guard reads two scalars)."""
     window: int = Field(default=100, ge=5)
     """Healthy steps the trend is fitted on."""
-    threshold: float = Field(default=3.0, gt=0)
+    threshold: float = Field(default=3.5, gt=0)
     """Mean z-score over `persistence` steps in a row that makes a spike; z is a loss's residual from the fitted
     trend in robust sd of the noise around it (1.4826 x MAD). Each of those steps is above threshold / 2."""
     persistence: int = Field(default=3, ge=1)

@@ -22,6 +22,8 @@ class Rollback:
     """The step at which the decision was taken (the replay starts from the target's step)."""
     skips: tuple[tuple[int, int, int], ...] = field(default_factory=tuple)
     """(stage, first, last) sample ranges to add to the skip ledger before replaying."""
+    evidence: dict = field(default_factory=dict, compare=False)
+    """What the decision acted on (the spike's z-score and persistence, or the blame), for the rollback event."""
 
 
 @dataclass(frozen=True)

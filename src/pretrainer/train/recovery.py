@@ -6,12 +6,17 @@ loop performs it.
    update (the update just before the first bad loss may itself be the cause), that verifies, and whose recorded
    losses were finite. It is protected from pruning until the episode ends (`protected()`), and so is the candidate
    of a run of suspect steps that may yet become a spike.
-2. Replay. If the spike recurs on the same steps, the data are to blame: re-run the suspect steps' batches without
-   gradients, blame the samples whose own loss is an outlier (all of the steps' samples when none stands out), and
-   roll back again with them (plus `skip_margin`) as skips for the ledger.
+2. Replay. The replay is exact, so a spike that recurs on the same steps says nothing yet about the data: a healthy
+   run's noise excursion recurs to the last digit. The suspect steps' samples are re-run without gradients beside
+   the samples of the steps before the spike; samples that are measured outliers against those (and explain the
+   spike) are blamed and the run rolls back again with them (plus `skip_margin`) as skips for the ledger. When no
+   sample stands out, nothing is skipped: a `recurred` event, the episode closes and the run goes on. A data skip
+   is permanent, so it needs the strongest evidence.
 3. If the replay stays healthy `confirm_steps` past the spike, it was transient (e.g. a corrupted optimizer state
    that the rollback removed): logged, nothing skipped.
 4. More than `max_rollbacks` within `rollback_window` steps: `Abort` (exit code 76), checkpoints intact.
+5. A spike whose every update skip-step held back (fewer than `persistence` in a row) never reached the weights:
+   `absorbed`, no rollback.
 
 The handler sees the rest of the run through two read-only queries: `find_target(max_step)` (the newest good
 checkpoint at or before a step) and `sample_losses` (the per-sample losses of a past step's batches, rebuilt from its
@@ -20,10 +25,12 @@ stage and data cursor).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from ..checkpoint.format import Protected
 from ..errors import PretrainerError
@@ -31,7 +38,7 @@ from ..files import atomic_write_json, read_json
 from ..observe import events as ev
 from ..recipe.sections import SpikesSection
 from .decisions import OK, Abort, Decision, Rollback
-from .spikes import SpikeDetector, outliers, sample_ranges
+from .spikes import MAD_TO_SD, SpikeDetector, sample_ranges
 
 SPIKE_ABORT_EXIT = 76
 LEDGER = "skip_ledger.json"
@@ -43,6 +50,52 @@ class SpikeAbort(PretrainerError):
     def __init__(self, message: str, exit_code: int = SPIKE_ABORT_EXIT):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+REFERENCE_STEPS = 8
+"""Steps before a spike whose samples are the reference its samples are measured against."""
+BLAME_SIGMAS = 4.0
+"""Robust sd above the reference median that make a sample an outlier. A per-sample loss averages a whole
+sequence's tokens; a random-token or repeated-garbage sample sits tens of sd above, a hard but healthy one a few."""
+
+
+class Blame(NamedTuple):
+    ranges: list[tuple[int, int, int]]
+    """(stage, first, last) sample ranges to skip; empty: nothing stands out."""
+    by: str
+    """`samples` (measured outliers) or `none`."""
+    evidence: dict
+    """The counts and statistics the decision read (for the skip or recurred event)."""
+
+
+def measured_outliers(losses: list[float], reference: list[float]) -> tuple[list[int], dict]:
+    """Positions in `losses` that are outliers against `reference` (per-sample losses of healthy steps), when
+    leaving them out explains at least half of the excess of `losses` over the reference; and the evidence.
+    Without a reference (a spike at a stage's first steps), the losses' own lower half is the reference."""
+    finite = [v for v in losses if math.isfinite(v)]
+    base = [v for v in reference if math.isfinite(v)]
+    if len(base) < 3 and len(finite) >= 3:
+        med_all = statistics.median(finite)
+        base = [v for v in finite if v <= med_all]
+    evidence: dict = {"suspect_samples": len(losses), "reference_samples": len(reference), "sigmas": BLAME_SIGMAS}
+    if len(base) < 3:
+        bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+        return bad, {**evidence, "outliers": len(bad)}
+    med = statistics.median(base)
+    scale = max(MAD_TO_SD * statistics.median(abs(v - med) for v in base), 0.01 * abs(med), 1e-8)
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or (v - med) / scale > BLAME_SIGMAS]
+    mean_ref = statistics.fmean(base)
+    mean_all = statistics.fmean(finite) if finite else math.inf
+    rest = [v for i, v in enumerate(losses) if i not in set(bad)]
+    mean_rest = statistics.fmean(rest) if rest else mean_ref
+    evidence.update(
+        reference_median=med, reference_sd=scale, suspect_mean=mean_all, reference_mean=mean_ref, outliers=len(bad)
+    )
+    explains = not rest or mean_rest - mean_ref <= (mean_all - mean_ref) / 2
+    if bad and not explains:
+        evidence["unexplained"] = "the outliers leave more than half of the excess: the whole batch is elevated"
+        bad = []
+    return bad, evidence
 
 
 SampleLosses = Callable[[int, int, list[tuple[int, int]]], tuple[list[int], list[float]]]
@@ -83,21 +136,26 @@ class SpikeHandler:
         self.cfg, self.find_target, self.sample_losses = cfg, find_target, sample_losses
         self.leads = leads
         self.log, self.alert = log, alert
-        self.detector = SpikeDetector(
-            cfg.window, cfg.threshold, cfg.persistence, cfg.min_history, grace_steps=cfg.grace_steps
-        )
+        self.detector = SpikeDetector.for_section(cfg)
         self.steps: deque[tuple[int, int, int]] = deque(maxlen=cfg.window + cfg.persistence + cfg.confirm_steps)
         """(step, stage index, cursor before the step) of recent steps: enough to rebuild their batches."""
+        self.held: deque[int] = deque(maxlen=cfg.persistence)
+        """The latest steps whose update skip-step held back (tier 1), for `absorbed`."""
         self.pending: dict | None = None
         self.rollback_steps: list[int] = []
+        self.recurred: list[int] = []
+        """Onsets of spikes that recurred on the exact replay with no data to blame: history, kept across rollbacks,
+        so a later rollback to before one does not act on it a second time."""
 
     # ------------------------------------------------------------------ per step
 
     def start_grace(self, step: int) -> None:
         self.detector.start_grace(step)
 
-    def record(self, step: int, stage: int, cursor_before: int) -> None:
+    def record(self, step: int, stage: int, cursor_before: int, applied: bool = True) -> None:
         self.steps.append((step, stage, cursor_before))
+        if not applied:
+            self.held.append(step)
 
     def protected(self) -> Protected:
         """What retention must keep: the open episode's rollback target, and while a run of suspect steps is open,
@@ -130,14 +188,16 @@ class SpikeHandler:
             grad_norm=grad_norm,
             layers=self.leads(d.onset) if self.leads is not None else None,
         )
+        if d.onset in self.recurred:  # judged already: the same steps, replayed exactly, with no data to blame
+            return OK
         self.alert("Loss spike", f"step {step}: {d.reason} (onset {d.onset})")
+        if self._absorbed(d.onset, step):  # tier 1 held back every update of it: the weights never saw it
+            self.log.event(ev.ABSORBED, step, onset=d.onset, steps=list(range(d.onset, step + 1)))
+            return OK
+        evidence = {"zscore": d.zscore, "onset": d.onset, "reason": d.reason}
         p = self.pending
         if p and p["onset"] - self.cfg.persistence <= d.onset <= p["end"]:
-            ranges, by = self.blame(d.onset, step, skips, d.expected)
-            for stage, a, b in ranges:
-                self.log.event(ev.SKIP, step, stage=stage, first=a, last=b, onset=d.onset, blame=by)
-            p["end"] = step
-            return self._rollback(Path(p["target"]), step, tuple(ranges))
+            return self._recurred(p, d.onset, step, skips, evidence)
         target = self.find_target(d.onset - 2)
         if target is None:
             return Abort(
@@ -145,9 +205,34 @@ class SpikeHandler:
                 SPIKE_ABORT_EXIT,
             )
         self.pending = {"onset": d.onset, "end": step, "target": str(target)}
-        return self._rollback(target, step, ())
+        return self._rollback(target, step, (), evidence)
 
-    def _rollback(self, target: Path, step: int, skips: tuple) -> Decision:
+    def _absorbed(self, onset: int, step: int) -> bool:
+        """Every step of the spike had its update held back by skip-step, and fewer than `persistence` updates in
+        a row were: a longer run of held-back updates is a run that cannot go on without a rollback."""
+        held = set(self.held)
+        return all(s in held for s in range(onset, step + 1)) and not (
+            len(held) == self.cfg.persistence and max(held) - min(held) == self.cfg.persistence - 1 and step in held
+        )
+
+    def _recurred(self, p: dict, onset: int, step: int, skips: list[list[int]], evidence: dict) -> Decision:
+        """The spike came back on the replay of the same steps. The replay is exact, so recurrence alone says
+        nothing about the data (a healthy run's noise excursion recurs to the last digit): data are skipped only
+        where samples of the spike's steps are measured outliers against the samples of the steps before it."""
+        blamed = self.blame(onset, step, skips)
+        if not blamed.ranges:
+            self.log.event(ev.RECURRED, step, onset=onset, evidence=blamed.evidence)
+            self.pending = None
+            self.recurred.append(onset)
+            return OK
+        for stage, a, b in blamed.ranges:
+            self.log.event(
+                ev.SKIP, step, stage=stage, first=a, last=b, onset=onset, blame=blamed.by, evidence=blamed.evidence
+            )
+        p["end"] = step
+        return self._rollback(Path(p["target"]), step, tuple(blamed.ranges), {**evidence, "blame": blamed.evidence})
+
+    def _rollback(self, target: Path, step: int, skips: tuple, evidence: dict | None = None) -> Decision:
         recent = [s for s in self.rollback_steps if s > step - self.cfg.rollback_window]
         if len(recent) >= self.cfg.max_rollbacks:
             self.log.event(ev.ROLLBACK_LIMIT, step, rollbacks=len(recent), window=self.cfg.rollback_window)
@@ -157,42 +242,39 @@ class SpikeHandler:
                 SPIKE_ABORT_EXIT,
             )
         self.rollback_steps.append(step)
-        return Rollback(target, step, skips)
+        return Rollback(target, step, skips, evidence or {})
 
     # ------------------------------------------------------------------ blame
 
-    def blame(
-        self, first_step: int, last_step: int, skips: list[list[int]], expected: float | None = None
-    ) -> tuple[list[tuple[int, int, int]], str]:
-        """Sample ranges to skip, and how they were chosen: `samples` (outliers by per-sample loss among the suspect
-        steps' samples) or `steps` (all of the steps' samples, when no sample stands out).
+    def blame(self, first_step: int, last_step: int, skips: list[list[int]]) -> Blame:
+        """The samples to skip for a spike over steps `first_step..last_step`, with the evidence.
 
-        Args:
-            expected: the trend's loss for the spike's steps. Outliers that would leave the rest of the batch still
-                more than half the spike's excess above it do not explain the spike: then no sample stands out.
+        Every sample of the spike's steps is scored against the per-sample losses of up to `REFERENCE_STEPS` steps
+        before it in the same stage (the same weights: a sample's loss measured, not a step's replayed). Blamed:
+        the samples more than `BLAME_SIGMAS` robust sd above the reference median (non-finite ones always), and only
+        when leaving them out takes at least half of the spike's excess over the reference mean away. Otherwise
+        nothing is blamed: the data of those steps look like the data before them.
         """
-        samples: list[tuple[int, int]] = []
-        losses: list[float] = []
         latest = {step: (stage, cursor) for step, stage, cursor in self.steps}  # a replayed step counts once
-        for step, (stage, cursor) in sorted(latest.items()):
-            if first_step <= step <= last_step:
+        suspect_stage = {stage for step, (stage, _) in latest.items() if first_step <= step <= last_step}
+        refs = [s for s in sorted(latest) if s < first_step and latest[s][0] in suspect_stage][-REFERENCE_STEPS:]
+        samples, losses, ref = [], [], []
+        for step in sorted(latest):
+            stage, cursor = latest[step]
+            if first_step <= step <= last_step or step in refs:
                 idx, per_sample = self.sample_losses(stage, cursor, [(a, b) for s, a, b in skips if s == stage])
-                samples += [(stage, i) for i in idx]
-                losses += per_sample
-        # 2.5 one-sided robust sd: generous on purpose; a wrongly blamed clean sample costs one skipped sequence,
-        # a missed poisoned one costs another rollback
-        bad = outliers(losses, 2.5)
-        if bad and expected is not None and len(bad) < len(losses):
-            rest = [v for k, v in enumerate(losses) if k not in set(bad)]
-            if statistics.fmean(rest) - expected > (statistics.fmean(losses) - expected) / 2:
-                bad = []  # the whole batch is elevated (PaLM's case): skipping a few samples would not help
-        by = "samples" if bad else "steps"
-        bad = bad or list(range(len(samples)))
+                if step in refs:
+                    ref += per_sample
+                else:
+                    samples += [(stage, i) for i in idx]
+                    losses += per_sample
+        bad, evidence = measured_outliers(losses, ref)
+        by = "samples" if bad else "none"
         out = []
         for stage in sorted({s for s, _ in samples}):
             idx = [samples[k][1] for k in bad if samples[k][0] == stage]
             out += [(stage, a, b) for a, b in sample_ranges(idx, self.cfg.skip_margin)]
-        return out, by
+        return Blame(out, by, evidence)
 
     # ------------------------------------------------------------------ persistence
 
@@ -200,14 +282,21 @@ class SpikeHandler:
         """After a resume: the run directory's ledger may be newer than the checkpoint (killed during a replay)."""
         self.pending = ledger.get("pending")
         self.rollback_steps = sorted(set(self.rollback_steps) | set(ledger.get("rollbacks", [])))
+        self.recurred = sorted(set(self.recurred) | set(ledger.get("recurred", [])))
 
     def state_dict(self) -> dict:
-        return {"detector": self.detector.state_dict(), "pending": self.pending, "rollbacks": self.rollback_steps}
+        return {
+            "detector": self.detector.state_dict(),
+            "pending": self.pending,
+            "rollbacks": self.rollback_steps,
+            "recurred": self.recurred,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.detector.load_state_dict(state["detector"])
         self.pending = state.get("pending")
         self.rollback_steps = list(state.get("rollbacks", []))
+        self.recurred = list(state.get("recurred", []))
 
     def rewind(self, state: dict) -> None:
         """A rollback restores the detector's trend; the open episode and the rollbacks so far are history."""

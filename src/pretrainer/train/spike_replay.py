@@ -22,6 +22,7 @@ import math
 
 import numpy as np
 
+from ..recipe.sections import SpikesSection
 from .spikes import MAD_TO_SD, SpikeDetector
 
 CHUNK = 16384
@@ -178,8 +179,8 @@ def _fit_rows(view_s: np.ndarray, view_l: np.ndarray, at: np.ndarray):
 class _Replay(SpikeDetector):
     """The live detector, its trend fits looked up in a batch-fitted `_Table` wherever the window is the table's."""
 
-    def __init__(self, steps: np.ndarray, losses: np.ndarray):
-        super().__init__()
+    def __init__(self, steps: np.ndarray, losses: np.ndarray, cfg: SpikesSection):
+        super().__init__(cfg.window, cfg.threshold, cfg.persistence, cfg.min_history, grace_steps=cfg.grace_steps)
         self.steps, self.losses = steps, losses
         self.table: _Table | None = None
         self.patch: _Table | None = None
@@ -244,8 +245,11 @@ class _Replay(SpikeDetector):
         return i
 
 
-def spike_episodes(losses: list[tuple[int, float]], grace_at: list[int] | tuple = ()) -> list[dict]:
-    """Replay the live rule (defaults) over a logged per-step loss curve: each spike's onset, the step it was
+def spike_episodes(
+    losses: list[tuple[int, float]], grace_at: list[int] | tuple = (), cfg: SpikesSection | None = None
+) -> list[dict]:
+    """Replay the live rule over a logged per-step loss curve, with the run's own `spikes` section (`cfg`; None: the
+    defaults): each spike's onset, the step it was
     detected, and the step the loss came back under its pre-spike trend (None: it never did).
 
     Args:
@@ -254,7 +258,7 @@ def spike_episodes(losses: list[tuple[int, float]], grace_at: list[int] | tuple 
     """
     steps = np.fromiter((s for s, _ in losses), float, len(losses))
     values = np.fromiter((v for _, v in losses), float, len(losses))
-    det, episodes, n = _Replay(steps, values), [], len(losses)
+    det, episodes, n = _Replay(steps, values, cfg or SpikesSection()), [], len(losses)
     graces = sorted(grace_at)
     if n:
         det.start_grace(int(steps[0]))
@@ -286,10 +290,12 @@ def spike_episodes(losses: list[tuple[int, float]], grace_at: list[int] | tuple 
     return episodes
 
 
-def spike_episodes_stepwise(losses: list[tuple[int, float]], grace_at: list[int] | tuple = ()) -> list[dict]:
+def spike_episodes_stepwise(
+    losses: list[tuple[int, float]], grace_at: list[int] | tuple = (), cfg: SpikesSection | None = None
+) -> list[dict]:
     """The same replay one step at a time through the plain detector: the reference the fast replay is tested
     against (and the definition it must match)."""
-    det, episodes, open_ep = SpikeDetector(), [], None
+    det, episodes, open_ep = SpikeDetector.for_section(cfg or SpikesSection()), [], None
     graces = sorted(grace_at)
     if losses:
         det.start_grace(losses[0][0])

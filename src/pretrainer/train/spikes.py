@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..recipe.sections import SpikesSection
+
 MAD_TO_SD = 1.4826
 
 
@@ -71,6 +73,13 @@ def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float) -> tuple[float, 
 
 
 class SpikeDetector:
+    """The spike rule. Its defaults are the recipe's (`SpikesSection`, a test keeps them equal); the live loop and
+    `check_run.py`'s replay build it from the run's own `spikes` section (`for_section`)."""
+
+    @classmethod
+    def for_section(cls, cfg: SpikesSection) -> SpikeDetector:
+        return cls(cfg.window, cfg.threshold, cfg.persistence, cfg.min_history, grace_steps=cfg.grace_steps)
+
     def __init__(
         self,
         window: int = 100,
@@ -164,18 +173,3 @@ def sample_ranges(indices: list[int], margin: int) -> list[tuple[int, int]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
-
-
-def outliers(values: list[float], threshold: float = 6.0) -> list[int]:
-    """Positions of values far above the rest, for attributing a spike to individual samples.
-
-    The spread is the MAD of the values at or below the median: poisoned samples sit above it, so up to half of the
-    values can be bad without inflating the scale that judges them.
-    """
-    finite = [v for v in values if math.isfinite(v)]
-    if len(finite) < 3:
-        return [i for i, v in enumerate(values) if not math.isfinite(v)]
-    med = statistics.median(finite)
-    mad = statistics.median(med - v for v in finite if v <= med)
-    scale = max(MAD_TO_SD * mad, 0.01 * abs(med), 1e-8)
-    return [i for i, v in enumerate(values) if not math.isfinite(v) or (v - med) / scale > threshold]

@@ -338,7 +338,7 @@ class Trainer:
             self.skip.lost(st.step, outcome.observed, outcome.skipped, span.tokens_per_step, self.log)
         kill_point(f"step:{st.step}")
         if self.spikes is not None:
-            self.spikes.record(st.step, span.index, cursor)
+            self.spikes.record(st.step, span.index, cursor, outcome.applied)
         if self.average is not None and outcome.applied:  # the part's per-step work, before an eval reads it
             self.average.after_step(st.step, st.tokens)
         return outcome
@@ -372,6 +372,7 @@ class Trainer:
             path=str(decision.target),
             replayed=replayed,
             tokens=tokens_before - st.tokens,
+            evidence=decision.evidence,
         )
         alert(acc, self.recipe.logging.report_to, "Rollback", f"step {decision.step} -> {st.step} ({decision.target})")
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
