@@ -54,6 +54,9 @@ def test_overfitting():
     losses = curve()
     val = [(50, 4.0), (100, 3.4), (150, 3.2), (200, 3.3), (250, 3.45), (300, 3.6)]
     assert verdict(losses, val, [], True, 0)[0] == "overfitting"
+    # the same rise on an eval set whose own spread makes 0.4 nat two standard errors: noise, not overfitting
+    assert verdict(losses, val, [], True, 0, val_se={s: 0.14 for s, _ in val})[0] == "healthy"
+    assert verdict(losses, val, [], True, 0, val_se={s: 0.02 for s, _ in val})[0] == "overfitting"
 
 
 def test_stalled():

@@ -3,6 +3,7 @@ blaming a recurring spike on its data)."""
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 
@@ -12,9 +13,13 @@ import torch.nn.functional as F
 from ..data.pipeline import SourceData, StageBatches, validation_batches
 from ..data.sources import used_sources
 from ..model.masking import Inputs, plain_inputs
+from ..observe.events import VAL_REF_SE
 from ..recipe.eval_sections import ContextEvalSection
 from ..recipe.schema import Recipe
 from .context import bucket_name, context_verdict, long_rows, padded_share, position_buckets, position_table
+
+AVG_SE = "val/avg_se"
+"""`_losses`'s standard error of `val/avg` (internal; logged as `val/ref_se` for the reference batches)."""
 
 
 class Evaluator:
@@ -72,6 +77,8 @@ class Evaluator:
         if self.ref is not None:
             ref = out if self.ref == (seq_len, micro) else self._losses(*self.ref)
             out["val/ref"] = ref["val/avg"]
+            out[VAL_REF_SE] = ref[AVG_SE]
+        out.pop(AVG_SE, None)
         if context and self.context_section is not None:
             out.update(self._positions())
         out["eval/seconds"] = time.perf_counter() - t0
@@ -82,7 +89,7 @@ class Evaluator:
     def reference(self) -> float:
         """`val/ref` alone (the merged weights' eval)."""
         self.model.eval()
-        value = self._losses(*self.ref)["val/avg"]
+        value = self._losses(*self.ref)["val/avg"]  # (its standard error is the live weights' to report)
         self.model.train()
         return value
 
@@ -96,17 +103,23 @@ class Evaluator:
                 self.sources, self.names, seq_len, micro, self.max_batches, getattr(config, "vocab_size", None)
             )
         val = self._cache[(seq_len, micro)]
-        out = {}
+        out, variances = {}, []
         for name in self.names:
             batches = val[name]
-            total = torch.zeros(2, device=acc.device)
+            # token-weighted sums of the batches' losses and of their squares, and the batch count: the mean and
+            # the standard error of the mean from the spread between batches
+            total = torch.zeros(4, device=acc.device)
             for k, real in padded_share(len(batches), acc.process_index, acc.num_processes):
                 mb = batches[k].to(acc.device)
                 loss = model(**self.inputs(mb), use_cache=False).loss.float()
-                total += torch.stack([loss * mb.numel() * real, torch.tensor(mb.numel() * real, device=acc.device)])
-            total = acc.reduce(total, reduction="sum")
-            out[f"val/{name}"] = (total[0] / total[1]).item()
+                w, n = torch.tensor([float(mb.numel() * real), float(real)], device=acc.device)
+                total += torch.stack([loss * w, w, loss * loss * w, n])
+            s, w, s2, n = acc.reduce(total, reduction="sum").tolist()
+            mean = s / w
+            out[f"val/{name}"] = mean
+            variances.append(max(0.0, s2 / w - mean * mean) * n / max(n - 1, 1) / max(n, 1))
         out["val/avg"] = sum(out.values()) / len(self.names)
+        out[AVG_SE] = math.sqrt(sum(variances)) / len(self.names)
         return out
 
     def _positions(self) -> dict[str, float]:

@@ -30,6 +30,8 @@ DIVERGE_RATIO = 0.10
 PLATEAU_RATIO = 0.002
 """Less relative improvement than this between the last two quarters is a plateau."""
 OVERFIT_RATIO = 0.02
+EVAL_SIGMAS = 3.0
+"""A validation rise must also exceed this many standard errors of the difference (the two evals' `val/ref_se`)."""
 """Validation this far above its best, while training still falls, is overfitting."""
 
 
@@ -120,10 +122,14 @@ def verdict(
     idle_s: float | None,
     stall_minutes: float = 30.0,
     episodes: list[dict] | None = None,
+    val_se: dict[int, float] | None = None,
 ) -> tuple[str, list[str]]:
     """The verdict and the reasons for it (see the module docstring).
 
     Args:
+        val_se: the standard error of each eval's `val/ref` (`val/ref_se`, from its fixed batches' spread): a rise
+            of the validation loss counts only beyond `EVAL_SIGMAS` of it, so a small, noisy eval set does not
+            turn a healthy run into `overfitting`. Runs without it judge the ratio alone.
         episodes: spikes found by replaying the live rule over `losses` (`spike_replay.spike_episodes`); the live check
             passes None, since the live detector's own spikes are in `events`.
     """
@@ -148,8 +154,10 @@ def verdict(
         return "diverging", [f"the loss has stayed above its trend since a spike at step {unrecovered[-1]['onset']}"]
     vals = [(s, as_float(v)) for s, v in val if math.isfinite(as_float(v))]
     if len(vals) >= 3 and len(meds) >= 3:
-        best_val = min(v for _, v in vals[:-1])
-        rising = vals[-1][1] > best_val * (1 + OVERFIT_RATIO) and vals[-1][1] > vals[-2][1]
+        best_step, best_val = min(vals[:-1], key=lambda x: x[1])
+        se = val_se or {}
+        noise = EVAL_SIGMAS * math.hypot(se.get(vals[-1][0]) or 0.0, se.get(best_step) or 0.0)
+        rising = vals[-1][1] - best_val > max(best_val * OVERFIT_RATIO, noise) and vals[-1][1] > vals[-2][1]
         if rising and meds[-1] <= meds[-2]:
             return "overfitting", [
                 f"validation {vals[-1][1]:.4g} rose {vals[-1][1] / best_val - 1:.1%} above its best "
@@ -176,6 +184,7 @@ class HealthMonitor:
     def __init__(self, output_dir: str | Path | None = None):
         self.losses: dict[int, float] = {}
         self.val: dict[int, Any] = {}
+        self.val_se: dict[int, float] = {}
         self.incidents: list[dict] = []
         self.context: dict | None = None
         """The latest `context` event's details (loss by position and its verdict)."""
@@ -183,12 +192,15 @@ class HealthMonitor:
             run = load_run(output_dir)
             self.losses.update(run["losses"])
             self.val.update((m["step"], val_of(m)) for m in run["evals"])
+            self.val_se.update((m["step"], m[ev.VAL_REF_SE]) for m in run["evals"] if ev.VAL_REF_SE in m)
             self.incidents = [e for e in run["events"] if e["event"] in (ev.SPIKE, ev.ROLLBACK)]
             self.context = next((e for e in reversed(run["events"]) if e["event"] == ev.CONTEXT), None)
 
     def on_metrics(self, step: int, values: dict[str, Any]) -> None:
         if ev.VAL_REF in values or ev.VAL_AVG in values:
             self.val[step] = val_of(values)
+            if (se := values.get(ev.VAL_REF_SE)) is not None:
+                self.val_se[step] = se
         elif ev.LOSS in values:
             # a step logged again after a rollback replaces the earlier value, as in load_run
             self.losses.update((s, v) for s, v in values.get("step_losses") or [(step, values["loss"])])
@@ -201,7 +213,9 @@ class HealthMonitor:
 
     def verdict(self) -> tuple[str, list[str]]:
         losses = sorted(self.losses.items())
-        return verdict(losses, sorted(self.val.items()), self.incidents, finished=False, idle_s=0.0)
+        return verdict(
+            losses, sorted(self.val.items()), self.incidents, finished=False, idle_s=0.0, val_se=self.val_se
+        )
 
 
 def _stage_summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -278,7 +292,8 @@ def report(
     idle = time.time() - run["last_write"] if run["last_write"] else None
     val = [(m["step"], val_of(m)) for m in run["evals"]]
     episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_starts(run), spike_rule(run))
-    v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes)
+    val_se = {m["step"]: m[ev.VAL_REF_SE] for m in run["evals"] if ev.VAL_REF_SE in m}
+    v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes, val_se)
     if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
         reasons = [*reasons, f"remote copies failing: {remote['failed']} failed, last: {remote['last_error']}"]
     out: dict[str, Any] = {"dir": str(run["dir"]), "verdict": v, "reasons": reasons, "finished": finished}

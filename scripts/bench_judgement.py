@@ -1,0 +1,213 @@
+"""Every automatic judgement measured on a labelled corpus of real training runs, at the recipe defaults: how often
+each fires on healthy runs (per 100k steps), and on runs with an incident of known onset whether it fired, how late,
+and what it cost.
+
+    python scripts/bench_judgement.py                       # the default corpus, a table
+    python scripts/bench_judgement.py --steps 3000 --json   # longer healthy runs, machine-readable
+    python scripts/bench_judgement.py --quick               # the test suite's subset (two short runs)
+
+Healthy runs: the micro recipe (tests/fixtures/micro.yaml) across seeds, learning rates from 3e-3 to 2e-2 (its
+default is 1e-2), global batches of 256 to 4,096 tokens (the smaller, the noisier the per-step loss) and both
+schedules, each with checkpoints every 50 steps and an eval every 50. Incidents, on the same recipe at step 300 of a
+600-step run: poisoned samples (random tokens) in 3 steps, a one-step gradient fault (x1000), a NaN loss, Adam's
+moments corrupted (x1e4).
+
+What is counted, from each run's own events.jsonl (what the live loop did, nothing recomputed): `skipped_update`,
+`spike`, `rollback`, `skip` (data skipped for good), `recurred`, `absorbed`, `off_track`, and the `health` verdict
+at every eval after warmup (anything but `healthy` on a healthy run is a false alarm); and check_run.py's replay of
+the spike rule over the logged losses (`replayed_spikes`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from pretrainer.cli import run_main, script_parser
+from pretrainer.observe import events as ev
+from pretrainer.observe.tracking import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = ROOT / "tests" / "fixtures" / "micro.yaml"
+COUNTED = (
+    ev.SKIPPED_UPDATE,
+    ev.SPIKE,
+    ev.ROLLBACK,
+    ev.SKIP,
+    ev.RECURRED,
+    ev.ABSORBED,
+    ev.OFF_TRACK,
+)
+ONSET, INCIDENT_STEPS = 300, 600
+SAMPLES_PER_STEP = 16  # micro: 1,024 tokens per step of 64-token rows
+
+HEALTHY = {
+    "seed 0": [],
+    "seed 1": ["run.seed=1"],
+    "seed 2": ["run.seed=2"],
+    "seed 3": ["run.seed=3"],
+    "seed 4": ["run.seed=4"],
+    "lr 3e-3": ["optimizer.lr=3.0e-3"],
+    "lr 2e-2": ["optimizer.lr=2.0e-2"],
+    "batch 256": ["batch.global_batch_tokens=256"],
+    "batch 512": ["batch.global_batch_tokens=512"],
+    "batch 4096": ["batch.global_batch_tokens=4096"],
+    "cosine": ["schedule.type=cosine", "schedule.min_lr_ratio=0.1"],
+    "cosine seed 1": ["schedule.type=cosine", "schedule.min_lr_ratio=0.1", "run.seed=1"],
+}
+first = (ONSET - 1) * SAMPLES_PER_STEP
+INCIDENTS = {
+    "poison 3 steps": ([f"debug.inject.poison_samples=[0, {first}, {first + 3 * SAMPLES_PER_STEP - 1}]"], "data"),
+    "grad x1000": ([f"debug.inject.grad_scale={{step: {ONSET}, factor: 1000}}"], "grad"),
+    "nan loss": ([f"debug.inject.nan_step={ONSET}"], "nan"),
+    "moments x1e4": ([f"debug.inject.corrupt_optimizer_step={ONSET}"], "optimizer"),
+}
+
+
+def parse_args(argv=None):
+    p = script_parser(__doc__, recipe=False)
+    p.add_argument("--steps", type=int, default=2000, help="steps of each healthy run")
+    p.add_argument("--quick", action="store_true", help="two healthy runs of 300 steps and the poison incident")
+    p.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
+    p.add_argument("--cache-dir", type=Path, help="data.cache_dir for every run (default: inside the work dir)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+    p.add_argument("--out", type=Path, help="also write the JSON result here")
+    return p.parse_args(argv)
+
+
+def run(out: Path, cache: Path, steps: int, sets: list[str]) -> tuple[int, float]:
+    """One training run of the micro recipe in this process: (exit code, seconds)."""
+    import run_recipe
+
+    args = [str(MICRO), "--output-dir", str(out), "--overwrite", "--set", f"data.cache_dir={cache}"]
+    base = [f"stages.0.steps={steps}", "eval.every_steps=50", "logging.every_steps=10"]
+    tokens_per_step = next((int(s.split("=")[1]) for s in sets if s.startswith("batch.global_batch_tokens")), 1024)
+    base.append(f"checkpoint.every_tokens={50 * tokens_per_step}")
+    for s in base + sets:
+        args += ["--set", s]
+    t0 = time.perf_counter()
+    rc = run_recipe.main(args)
+    return rc, time.perf_counter() - t0
+
+
+def judged(out: Path) -> dict:
+    """What a run's judgements did: counts by kind, the non-healthy verdicts after warmup, check_run's replay."""
+    from pretrainer.observe.health import report
+
+    events = read_jsonl(out / "events.jsonl")
+    steps = max((m["step"] for m in read_jsonl(out / "metrics.jsonl")), default=0)
+    counts = {k: sum(e["event"] == k for e in events) for k in COUNTED}
+    warm = 20 + 20  # warmup (micro: 3 steps) and the grace after it, rounded up to the first eval past both
+    verdicts = [e for e in events if e["event"] == ev.HEALTH and e["step"] > warm]
+    counts["verdict not healthy"] = sum(e["verdict"] != "healthy" for e in verdicts)
+    counts["replayed spike"] = len(report(out, verify_checkpoint=False, deep=False)["replayed_spikes"])
+    lost = sum(e.get("tokens", 0) for e in events if e["event"] in (ev.SKIPPED_UPDATE, ev.ROLLBACK))
+    skipped = [(e["first"], e["last"]) for e in events if e["event"] == ev.SKIP]
+    first = {k: min((e["step"] for e in events if e["event"] == k), default=None) for k in COUNTED}
+    return {
+        "steps": steps,
+        "counts": counts,
+        "evals": len(verdicts),
+        "tokens_lost": lost,
+        "skipped": skipped,
+        "first": first,
+    }
+
+
+def incident_outcome(kind: str, j: dict) -> dict:
+    """Detected (and by what), the delay from the onset, and whether the response was the right rung."""
+    c, f = j["counts"], j["first"]
+    fired = [k for k in (ev.SKIPPED_UPDATE, ev.SPIKE, ev.ABSORBED) if c[k]]
+    detected = min((f[k] for k in fired), default=None)
+    out = {"detected_by": fired, "delay": None if detected is None else detected - ONSET}
+    if kind == "data":
+        lo, hi = (ONSET - 1) * SAMPLES_PER_STEP, (ONSET + 2) * SAMPLES_PER_STEP - 1
+        out["blamed_overlaps_poison"] = any(a <= hi and b >= lo for a, b in j["skipped"])
+        out["skipped_outside_poison"] = sum(max(0, lo - a) + max(0, b - hi) for a, b in j["skipped"])
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+
+    def body() -> int:
+        with tempfile.TemporaryDirectory(prefix="judgement-") as tmp:
+            work = args.work_dir or Path(tmp)
+            cache = args.cache_dir or work / "cache"
+            healthy = dict(list(HEALTHY.items())[:2]) if args.quick else HEALTHY
+            incidents = dict(list(INCIDENTS.items())[:1]) if args.quick else INCIDENTS
+            steps = 300 if args.quick else args.steps
+            rows, total = [], {k: 0 for k in (*COUNTED, "verdict not healthy", "replayed spike")}
+            healthy_steps = evals = 0
+            for name, sets in healthy.items():
+                out = work / name.replace(" ", "_")
+                rc, seconds = run(out, cache, steps, sets)
+                j = judged(out)
+                rows.append({"run": name, "kind": "healthy", "rc": rc, "seconds": round(seconds, 1), **j})
+                healthy_steps += j["steps"]
+                evals += j["evals"]
+                for k, v in j["counts"].items():
+                    total[k] += v
+            for name, (sets, kind) in incidents.items():
+                out = work / name.replace(" ", "_")
+                rc, seconds = run(out, cache, INCIDENT_STEPS if not args.quick else 360, sets)
+                j = judged(out)
+                rows.append(
+                    {
+                        "run": name,
+                        "kind": kind,
+                        "rc": rc,
+                        "seconds": round(seconds, 1),
+                        **j,
+                        **incident_outcome(kind, j),
+                    }
+                )
+        rate = {k: round(v * 1e5 / max(healthy_steps, 1), 1) for k, v in total.items()}
+        result = {
+            "healthy_steps": healthy_steps,
+            "healthy_evals": evals,
+            "false_alarms": total,
+            "per_100k_steps": rate,
+            "runs": rows,
+        }
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            print(table(result))
+        return 0
+
+    return run_main(body, debug=args.debug)
+
+
+def table(r: dict) -> str:
+    lines = [
+        f"healthy corpus: {len([x for x in r['runs'] if x['kind'] == 'healthy'])} runs, {r['healthy_steps']:,} steps, "
+        f"{r['healthy_evals']} evals after warmup",
+        "",
+        "| judgement | false alarms | per 100k healthy steps |",
+        "|---|---|---|",
+    ]
+    for k, v in r["false_alarms"].items():
+        lines.append(f"| {k} | {v} | {r['per_100k_steps'][k]} |")
+    lines += [
+        "",
+        "| incident | rc | detected by | delay (steps) | rollbacks | data skipped | tokens lost |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for x in r["runs"]:
+        if x["kind"] == "healthy":
+            continue
+        skipped = x["skipped"] or "-"
+        lines.append(
+            f"| {x['run']} | {x['rc']} | {', '.join(x['detected_by']) or 'nothing'} | {x['delay']} | "
+            f"{x['counts'][ev.ROLLBACK]} | {skipped} | {x['tokens_lost']:,} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
