@@ -1,7 +1,7 @@
 """`accelerate launch` that exits with the ranks' code: 75 when they were preempted and saved (requeue), 2 for bad
 input, 74 for a failed save; SIGTERM/SIGINT to this process reach the ranks directly.
 
-    python scripts/launch.py --config_file accelerate_configs/zero3.yaml scripts/run_recipe.py recipes/1b_wsd.yaml
+    python scripts/launch.py --config_file accelerate_configs/zero1.yaml scripts/run_recipe.py recipes/1b_wsd.yaml
     # in a job script:  python scripts/launch.py ...; [ $? -eq 75 ] && scontrol requeue $SLURM_JOB_ID
 
 Every argument goes to `accelerate launch` unchanged.

@@ -1,7 +1,7 @@
 """Train a recipe.
 
     python scripts/run_recipe.py recipes/tiny.yaml
-    accelerate launch --config_file accelerate_configs/zero3.yaml scripts/run_recipe.py recipes/1b_wsd.yaml \
+    accelerate launch --config_file accelerate_configs/zero1.yaml scripts/run_recipe.py recipes/1b_wsd.yaml \
         --set run.name=my-exp --output-dir runs/my-exp
     python scripts/run_recipe.py recipes/tiny.yaml --resume auto         # continue after a crash or preemption
     python scripts/run_recipe.py recipes/tiny.yaml --branch-decay-from runs/tiny/checkpoints/step_00000100 \

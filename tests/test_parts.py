@@ -261,10 +261,12 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
     # confirmed, roll back to the only checkpoint before it, which is then protected by name
     assert run(1, 151, spiky={151}) == (None, None) and h.protected() == ck.Protected(before=149)
     step, d = run(152, 200, spiky={152, 153})
-    assert step == 153 and d == Rollback(Path("/ckpts/step_00000010"), 153, ())
+    assert step == 153 and d == Rollback(Path("/ckpts/step_00000010"), 153, (151, 153))
     assert h.protected().names == {"step_00000010"}
     assert log.kinds().count("spike") == 1
-    # the loop rewinds the parts from the checkpoint: the detector's trend comes back, the episode stays open
+    # the loop restores the target and rewinds the parts (the detector's trend comes back, the episode stays
+    # open), then asks which samples of steps 151-153 to skip, measured against the 8 steps before under the
+    # restored weights: step 151's batch starts at sample 1200; 1204..1207 were poisoned
     healthy = {
         "history": [[s, 3.0 + 0.01 * rng.standard_normal()] for s in range(51, 151)],
         "grace_until": 0,
@@ -272,17 +274,50 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
     }
     h.rewind({"detector": healthy, "pending": None, "rollbacks": []})
     assert h.pending is not None and h.rollback_steps == [153]
-    # the replay spikes again on the same steps: roll back again, with the blamed samples as skips
-    step, d = run(151, 160, spiky={151, 152, 153})
-    assert step == 153 and isinstance(d, Rollback) and d.skips == ((0, 1204, 1207),)
-    # step 151's batch starts at sample 1200; 1204..1207 were poisoned
-    write_ledger(tmp_path, [list(x) for x in d.skips], h.state_dict())
+    assert h.blame_restored(151, 153, skips=[]) == [(0, 1204, 1207)]
+    skip = [e for k, _, e in log.events if k == "skip"][0]
+    assert skip["blame"] == "samples" and skip["evidence"]["outliers"] == 4
+    assert skip["evidence"]["reference_samples"] == 8 * 8  # the 8 steps before the onset, 8 samples each
+    write_ledger(tmp_path, [[0, 1204, 1207]], h.state_dict())
     ledger = json.loads((tmp_path / LEDGER).read_text())
     assert ledger["skips"] == [[0, 1204, 1207]] and ledger["pending"]["onset"] == 151
     # a healthy replay past confirm_steps closes the episode and releases the target
-    h.rewind({"detector": healthy})
     assert run(151, 170, spiky=set()) == (None, None)
     assert "transient" in log.kinds() and h.protected() == ck.NOTHING
+
+
+def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
+    """A noise excursion on healthy data replays to the last digit. Its samples measure clean under the restored
+    weights, nothing is skipped; when it comes back, a `recurred` event closes the episode and the run goes on,
+    and a later rollback to before it does not act on it again."""
+    log, rng = Log(), np.random.default_rng(1)
+
+    def sample_losses(stage, cursor, skips):
+        idx = list(range(cursor, cursor + 8))
+        return idx, [3.0 + 0.05 * rng.standard_normal() for _ in idx]
+
+    h = SpikeHandler(SpikesSection(), lambda m: Path("/ckpts/step_00000010"), sample_losses, log, lambda *a: None)
+    h.start_grace(0)
+    curve = {s: 3.0 + 0.01 * np.sin(s) + (0.2 if s in (151, 152, 153) else 0.0) for s in range(1, 200)}
+
+    def run(first, last):
+        for s in range(first, last + 1):
+            h.record(s, 0, (s - 1) * 8)
+            d = h.after_step(s, curve[s], 1.0, skips=[])
+            if not isinstance(d, Ok):
+                return s, d
+        return None, None
+
+    state = h.detector.state_dict()
+    step, d = run(1, 153)
+    assert isinstance(d, Rollback) and d.blame == (151, 153)
+    h.rewind({"detector": state})
+    assert h.blame_restored(*d.blame, skips=[]) == [] and "skip" not in log.kinds()
+    h.detector.load_state_dict(state)
+    assert run(1, 199) == (None, None)  # the replay: the same spike, accepted
+    assert log.kinds().count("recurred") == 1 and h.pending is None and h.recurred == [151]
+    h.detector.load_state_dict(state)
+    assert run(1, 199) == (None, None) and log.kinds().count("spike") == 2  # not judged a third time
 
 
 def test_spike_handler_aborts_past_the_rollback_limit_and_without_a_target():

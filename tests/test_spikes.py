@@ -141,9 +141,10 @@ def test_data_linked_spike_is_skipped(clean, tmp_path, cache_dir):
     )
     assert rc == 0
     spikes, rollbacks, skips = events(out, "spike"), events(out, "rollback"), events(out, "skip")
-    assert len(spikes) == 2 and len(rollbacks) == 2  # detected, rolled back, recurred, rolled back
-    assert spikes[0]["onset"] == spikes[1]["onset"] == 30
-    assert rollbacks[0]["to_step"] < 30 and rollbacks[0]["path"] == rollbacks[1]["path"]
+    # detected, rolled back, the poisoned samples measured as outliers under the restored weights and skipped before
+    # the replay: one rollback, no recurrence
+    assert len(spikes) == 1 and len(rollbacks) == 1 and spikes[0]["onset"] == 30
+    assert rollbacks[0]["to_step"] < 30 and rollbacks[0]["evidence"]["onset"] == 30
     assert [(s["stage"], s["first"], s["last"]) for s in skips] == [(0, 473, 486)]  # the poisoned range + margin
     ledger = (out / "skip_ledger.json").read_text()
     assert '"skips": [\n  [\n   0,\n   473,\n   486' in ledger
@@ -177,7 +178,8 @@ def test_nan_never_reaches_the_optimizer(tmp_path, cache_dir):
 def test_rollback_bound_stops_with_exit_76(tmp_path, cache_dir, capsys):
     out = tmp_path / "run"
     rc = run_recipe.main(
-        cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 474, 485]", "--set", "spikes.max_rollbacks=1")
+        # steps 30-39 poisoned: the first spike's samples are skipped, the next poisoned steps spike again
+        cli(out, cache_dir, "--set", "debug.inject.poison_samples=[0, 464, 623]", "--set", "spikes.max_rollbacks=1")
     )
     assert rc == 76
     assert "rollbacks within 1000 steps" in capsys.readouterr().err
@@ -187,10 +189,10 @@ def test_rollback_bound_stops_with_exit_76(tmp_path, cache_dir, capsys):
 
 def test_kill_during_replay_keeps_ledger_and_detector(tmp_path, cache_dir):
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRETRAINER_KILL_AT": "step:29#3"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRETRAINER_KILL_AT": "step:29#2"}
     args = ["--set", "debug.inject.poison_samples=[0, 474, 485]", "--set", "spikes.skip_margin=1"]
     cmd = [sys.executable, "scripts/run_recipe.py", *cli(out, cache_dir, *args)]
-    # spike, rollback to 28, replay, recurrence, skip, rollback to 28 again: SIGKILL at step 29 of that replay
+    # spike, rollback to 28, the poisoned samples skipped, replay: SIGKILL at step 29 of that replay
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert len(events(out, "rollback")) >= 1
@@ -264,14 +266,15 @@ def tiny(out, cache_dir, *extra):
 @pytest.mark.slow  # two 100-step tiny runs, ~270 s: in `make test-slow`, which CI runs too
 def test_default_settings_catch_a_poisoned_range_on_the_tiny_recipe(tmp_path, cache_dir):
     """The user's case: tiny recipe, default `spikes`, steps 66-69 (samples 2080..2207) poisoned, well after
-    warmup (20) and grace (20). Detected, rolled back, recurs, every sample of the spike's steps measures as an
-    outlier against the steps before, the whole range is skipped, the run finishes."""
+    warmup (20) and grace (20). Detected, rolled back, every sample of the spike's steps measures as an outlier
+    against the steps before under the restored weights, the whole range is skipped before the replay, the run
+    finishes."""
     clean, bad = tmp_path / "clean", tmp_path / "bad"
     assert run_recipe.main(tiny(clean, cache_dir)) == 0
     assert events(clean, "spike") == [] and events(clean, "rollback") == []
     assert run_recipe.main(tiny(bad, cache_dir, "--set", "debug.inject.poison_samples=[0, 2080, 2207]")) == 0
     spikes, skips = events(bad, "spike"), events(bad, "skip")
-    assert spikes and spikes[0]["onset"] == 66 and len(events(bad, "rollback")) == 2
+    assert spikes and spikes[0]["onset"] == 66 and len(events(bad, "rollback")) == 1
     assert {s["blame"] for s in skips} == {"samples"}  # every poisoned sample is a measured outlier: all go
     assert [(s["first"], s["last"]) for s in skips] == [(2080, 2175)]  # steps 66-68, detected at 68
     assert abs(final_val(bad) - final_val(clean)) <= 0.05 * final_val(clean)

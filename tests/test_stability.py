@@ -158,7 +158,8 @@ def test_without_skip_step_and_clipping_the_same_fault_rolls_back(tmp_path, cach
 @pytest.mark.slow  # tiers 2-3 alone are in test_spikes; this walks all three with the defaults
 def test_a_persistent_data_spike_climbs_the_whole_ladder(tmp_path, cache_dir):
     """Five poisoned batches from step 100: skip-step absorbs the first two, the spike rule rolls back at the third,
-    the recurrence blames the data and skips it, and the run ends within 10% of the clean run's loss."""
+    the restored weights measure the data as outliers and skip them, and the run ends within 10% of the clean
+    run's loss."""
     sets = ("stages.0.steps=150", "eval.every_steps=50", "checkpoint.every_tokens=20480")
     clean, bad = tmp_path / "clean", tmp_path / "bad"
     assert run_micro(clean, cache_dir, *sets).returncode == 0

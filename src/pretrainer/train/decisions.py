@@ -20,8 +20,9 @@ class Rollback:
     """The checkpoint to restore (verified, from before the spike's onset)."""
     step: int
     """The step at which the decision was taken (the replay starts from the target's step)."""
-    skips: tuple[tuple[int, int, int], ...] = field(default_factory=tuple)
-    """(stage, first, last) sample ranges to add to the skip ledger before replaying."""
+    blame: tuple[int, int] | None = None
+    """(first, last) steps of the spike: once the target is restored (the pre-spike weights), the loop asks the
+    spike handler which of their samples to skip before replaying (`SpikeHandler.blame_restored`)."""
     evidence: dict = field(default_factory=dict, compare=False)
     """What the decision acted on (the spike's z-score and persistence, or the blame), for the rollback event."""
 

@@ -6,16 +6,17 @@ loop performs it.
    update (the update just before the first bad loss may itself be the cause), that verifies, and whose recorded
    losses were finite. It is protected from pruning until the episode ends (`protected()`), and so is the candidate
    of a run of suspect steps that may yet become a spike.
-2. Replay. The replay is exact, so a spike that recurs on the same steps says nothing yet about the data: a healthy
-   run's noise excursion recurs to the last digit. The suspect steps' samples are re-run without gradients beside
-   the samples of the steps before the spike; samples that are measured outliers against those (and explain the
-   spike) are blamed and the run rolls back again with them (plus `skip_margin`) as skips for the ledger. When no
-   sample stands out, nothing is skipped: a `recurred` event, the episode closes and the run goes on. A data skip
-   is permanent, so it needs the strongest evidence.
-3. If the replay stays healthy `confirm_steps` past the spike, it was transient (e.g. a corrupted optimizer state
+2. Blame, under the pre-spike weights: once the loop has restored the target, the spike's samples are re-run
+   without gradients beside the samples of the steps before it (`blame_restored`); samples that are measured
+   outliers against those (and explain the spike) go to the skip ledger (plus `skip_margin`) before the replay.
+   A data skip is permanent, so it needs that evidence; a recurrence alone is none (the replay is exact: a
+   healthy run's noise excursion recurs to the last digit).
+3. Replay. When nothing was blamed and the spike comes back on the same steps: a `recurred` event, the episode
+   closes and the run goes on; when data were blamed and it still comes back: roll back and measure again.
+4. If the replay stays healthy `confirm_steps` past the spike, it was transient (e.g. a corrupted optimizer state
    that the rollback removed): logged, nothing skipped.
-4. More than `max_rollbacks` within `rollback_window` steps: `Abort` (exit code 76), checkpoints intact.
-5. A spike whose every update skip-step held back (fewer than `persistence` in a row) never reached the weights:
+5. More than `max_rollbacks` within `rollback_window` steps: `Abort` (exit code 76), checkpoints intact.
+6. A spike whose every update skip-step held back (fewer than `persistence` in a row) never reached the weights:
    `absorbed`, no rollback.
 
 The handler sees the rest of the run through two read-only queries: `find_target(max_step)` (the newest good
@@ -68,10 +69,14 @@ class Blame(NamedTuple):
     """The counts and statistics the decision read (for the skip or recurred event)."""
 
 
-def measured_outliers(losses: list[float], reference: list[float]) -> tuple[list[int], dict]:
+def measured_outliers(
+    losses: list[float], reference: list[float], spike_excess: float | None = None
+) -> tuple[list[int], dict]:
     """Positions in `losses` that are outliers against `reference` (per-sample losses of healthy steps), when
-    leaving them out explains at least half of the excess of `losses` over the reference; and the evidence.
-    Without a reference (a spike at a stage's first steps), the losses' own lower half is the reference."""
+    leaving them out explains at least half of the excess of `losses` over the reference and, given the spike's
+    own excess over its trend (`spike_excess`), when the data reproduce at least half of it without the updates
+    (a spike from a corrupted optimizer state has clean data: a hard sample among them is no culprit); and the
+    evidence. Without a reference (a spike at a stage's first steps), the losses' own lower half is the reference."""
     finite = [v for v in losses if math.isfinite(v)]
     base = [v for v in reference if math.isfinite(v)]
     if len(base) < 3 and len(finite) >= 3:
@@ -95,6 +100,11 @@ def measured_outliers(losses: list[float], reference: list[float]) -> tuple[list
     if bad and not explains:
         evidence["unexplained"] = "the outliers leave more than half of the excess: the whole batch is elevated"
         bad = []
+    if spike_excess is not None:
+        evidence["spike_excess"] = spike_excess
+        if bad and not mean_all - mean_ref >= spike_excess / 2:
+            evidence["unexplained"] = "the data reproduce under half of the spike without its updates: not the data"
+            bad = []
     return bad, evidence
 
 
@@ -178,6 +188,8 @@ class SpikeHandler:
                 self.log.event(ev.TRANSIENT, step, onset=self.pending["onset"], end=self.pending["end"])
                 self.pending = None
             return OK
+        if d.onset in self.recurred:  # judged already: the same steps, replayed exactly, with no data to blame
+            return OK
         self.log.event(
             ev.SPIKE,
             step,
@@ -188,24 +200,30 @@ class SpikeHandler:
             grad_norm=grad_norm,
             layers=self.leads(d.onset) if self.leads is not None else None,
         )
-        if d.onset in self.recurred:  # judged already: the same steps, replayed exactly, with no data to blame
-            return OK
         self.alert("Loss spike", f"step {step}: {d.reason} (onset {d.onset})")
         if self._absorbed(d.onset, step):  # tier 1 held back every update of it: the weights never saw it
             self.log.event(ev.ABSORBED, step, onset=d.onset, steps=list(range(d.onset, step + 1)))
             return OK
-        evidence = {"zscore": d.zscore, "onset": d.onset, "reason": d.reason}
+        # the spike's mean excess over its trend, as the run saw it (inf for a non-finite loss)
+        excess = d.zscore * d.noise if d.noise is not None else math.inf
+        evidence = {"zscore": d.zscore, "onset": d.onset, "reason": d.reason, "excess": excess}
         p = self.pending
         if p and p["onset"] - self.cfg.persistence <= d.onset <= p["end"]:
-            return self._recurred(p, d.onset, step, skips, evidence)
+            if not p.get("blamed"):  # the data measured clean under the pre-spike weights, and it came back
+                self.log.event(ev.RECURRED, step, onset=d.onset, evidence=p.get("evidence"))
+                self.pending = None
+                self.recurred.append(d.onset)
+                return OK
+            p["end"] = step  # blamed data were skipped and it came back: roll back and measure again
+            return self._rollback(Path(p["target"]), step, (d.onset, step), evidence)
         target = self.find_target(d.onset - 2)
         if target is None:
             return Abort(
                 f"spike at step {step} ({d.reason}) and no checkpoint from before step {d.onset - 1}",
                 SPIKE_ABORT_EXIT,
             )
-        self.pending = {"onset": d.onset, "end": step, "target": str(target)}
-        return self._rollback(target, step, (), evidence)
+        self.pending = {"onset": d.onset, "end": step, "target": str(target), "excess": excess}
+        return self._rollback(target, step, (d.onset, step), evidence)
 
     def _absorbed(self, onset: int, step: int) -> bool:
         """Every step of the spike had its update held back by skip-step, and fewer than `persistence` updates in
@@ -215,24 +233,30 @@ class SpikeHandler:
             len(held) == self.cfg.persistence and max(held) - min(held) == self.cfg.persistence - 1 and step in held
         )
 
-    def _recurred(self, p: dict, onset: int, step: int, skips: list[list[int]], evidence: dict) -> Decision:
-        """The spike came back on the replay of the same steps. The replay is exact, so recurrence alone says
-        nothing about the data (a healthy run's noise excursion recurs to the last digit): data are skipped only
-        where samples of the spike's steps are measured outliers against the samples of the steps before it."""
-        blamed = self.blame(onset, step, skips)
-        if not blamed.ranges:
-            self.log.event(ev.RECURRED, step, onset=onset, evidence=blamed.evidence)
-            self.pending = None
-            self.recurred.append(onset)
-            return OK
+    def blame_restored(self, first_step: int, last_step: int, skips: list[list[int]]) -> list[tuple[int, int, int]]:
+        """After the loop restored the episode's target (the pre-spike weights): the samples of the spike's steps
+        that measure as outliers under those weights, to skip before the replay; logged as `skip` events with the
+        evidence. Nothing blamed: the replay runs on the same data, and if the spike comes back it is `recurred`
+        (the replay is exact, so a recurrence alone says nothing about the data)."""
+        excess = self.pending.get("excess") if self.pending is not None else None
+        blamed = self.blame(first_step, last_step, skips, excess)
         for stage, a, b in blamed.ranges:
             self.log.event(
-                ev.SKIP, step, stage=stage, first=a, last=b, onset=onset, blame=blamed.by, evidence=blamed.evidence
+                ev.SKIP,
+                last_step,
+                stage=stage,
+                first=a,
+                last=b,
+                onset=first_step,
+                blame=blamed.by,
+                evidence=blamed.evidence,
             )
-        p["end"] = step
-        return self._rollback(Path(p["target"]), step, tuple(blamed.ranges), {**evidence, "blame": blamed.evidence})
+        if self.pending is not None:
+            self.pending["blamed"] = bool(blamed.ranges)
+            self.pending["evidence"] = blamed.evidence
+        return blamed.ranges
 
-    def _rollback(self, target: Path, step: int, skips: tuple, evidence: dict | None = None) -> Decision:
+    def _rollback(self, target: Path, step: int, blame: tuple[int, int], evidence: dict | None = None) -> Decision:
         recent = [s for s in self.rollback_steps if s > step - self.cfg.rollback_window]
         if len(recent) >= self.cfg.max_rollbacks:
             self.log.event(ev.ROLLBACK_LIMIT, step, rollbacks=len(recent), window=self.cfg.rollback_window)
@@ -242,11 +266,13 @@ class SpikeHandler:
                 SPIKE_ABORT_EXIT,
             )
         self.rollback_steps.append(step)
-        return Rollback(target, step, skips, evidence or {})
+        return Rollback(target, step, blame, evidence or {})
 
     # ------------------------------------------------------------------ blame
 
-    def blame(self, first_step: int, last_step: int, skips: list[list[int]]) -> Blame:
+    def blame(
+        self, first_step: int, last_step: int, skips: list[list[int]], spike_excess: float | None = None
+    ) -> Blame:
         """The samples to skip for a spike over steps `first_step..last_step`, with the evidence.
 
         Every sample of the spike's steps is scored against the per-sample losses of up to `REFERENCE_STEPS` steps
@@ -268,7 +294,7 @@ class SpikeHandler:
                 else:
                     samples += [(stage, i) for i in idx]
                     losses += per_sample
-        bad, evidence = measured_outliers(losses, ref)
+        bad, evidence = measured_outliers(losses, ref, spike_excess)
         by = "samples" if bad else "none"
         out = []
         for stage in sorted({s for s, _ in samples}):

@@ -356,25 +356,25 @@ class Trainer:
         if isinstance(decision, Abort):
             raise SpikeAbort(decision.message, decision.exit_code)
         st, acc = self.state, self.accelerator
-        for stage, first, last in decision.skips:
-            st.add_skip(stage, first, last)
         restored = self.ckpt.load(decision.target)
         tokens_before = st.tokens
         st.rewind(restored.meta)
         self.parts.load_state_dict(restored.meta, restored.path, rollback=True)
-        if acc.is_main_process:
-            write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
-        replayed = decision.step - st.step
         self.log.event(
             ev.ROLLBACK,
             decision.step,
             to_step=st.step,
             path=str(decision.target),
-            replayed=replayed,
+            replayed=decision.step - st.step,
             tokens=tokens_before - st.tokens,
             evidence=decision.evidence,
         )
         alert(acc, self.recipe.logging.report_to, "Rollback", f"step {decision.step} -> {st.step} ({decision.target})")
+        if decision.blame is not None:  # measured under the restored, pre-spike weights; skipped before the replay
+            for stage, first, last in self.spikes.blame_restored(*decision.blame, st.skips):
+                st.add_skip(stage, first, last)
+        if acc.is_main_process:  # the ledger (and the open episode) on disk before the replay starts
+            write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
         self.span = None  # re-enter the stage the restored step is in
         self.bar.n = st.step

@@ -1,0 +1,106 @@
+"""Every fenced shell command in README.md and docs/*.md names things that exist and flags its script accepts: make
+targets of the Makefile, scripts under scripts/ whose own argument parser takes the command's arguments, Accelerate
+configs and recipes that are files, and checkpoints of `runs/tiny` that `make run` leaves (the tiny recipe's saves:
+stage ends and token triggers, its `keep_last`). None is skipped silently: each command is one of those kinds or
+the test fails on it. Commands are checked, not run (the runs they start take minutes to days)."""
+
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pretrainer.recipe.loading import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
+
+
+def commands() -> list[tuple[str, str]]:
+    out = []
+    for path in DOCS:
+        for block in FENCE.findall(path.read_text()):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line.strip())
+                if line and not line.startswith("#"):
+                    out.append((path.name, line))
+    return out
+
+
+def tiny_checkpoints() -> set[str]:
+    """The checkpoint names `make run` leaves: saves at stage ends and token triggers (the wall-clock trigger, 30
+    minutes, does not fire in a run of minutes), the newest `keep_last` of them."""
+    recipe = load_recipe(ROOT / "recipes" / "tiny.yaml")
+    ck, steps, tokens = recipe.checkpoint, set(), 0
+    for span in recipe.plan.spans:
+        for step in range(span.start_step + 1, span.end_step + 1):
+            before, tokens = tokens, tokens + span.tokens_per_step
+            if ck.every_tokens and tokens // ck.every_tokens > before // ck.every_tokens:
+                steps.add(step)
+        if ck.at_stage_end:
+            steps.add(span.end_step)
+    return {f"step_{s:08d}" for s in sorted(steps)[-ck.keep_last :]}
+
+
+def makefile_targets() -> set[str]:
+    return set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def script_args(words: list[str]) -> tuple[str, list[str]] | None:
+    """(script path, its arguments) of a `python scripts/X.py ...` or `accelerate launch ... scripts/X.py ...`."""
+    for i, w in enumerate(words):
+        if w.startswith("scripts/") and w.endswith(".py"):
+            return w, words[i + 1 :]
+    return None
+
+
+def check(command: str, tiny: set[str], targets: set[str]) -> str:
+    """What the command is (for the count); raises AssertionError naming what does not exist or parse."""
+    words = shlex.split(command)
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # environment assignments
+        words = words[1:]
+    for w in words:  # files the command names
+        if w.startswith(("recipes/", "accelerate_configs/", "tests/fixtures/", "eval_tasks/")):
+            assert (ROOT / w).exists(), f"{w} does not exist"
+        if m := re.match(r"runs/tiny/checkpoints/(step_\d+)", w):
+            assert m.group(1) in tiny, f"{w}: `make run` leaves only {sorted(tiny)}"
+    if words[0] == "make":
+        assert set(words[1:]) <= targets, f"no Makefile target {set(words[1:]) - targets}"
+        return "make"
+    found = script_args(words)
+    if found is None:
+        raise AssertionError("not a make target or a script of this repository: extend check() for it")
+    script, args = found
+    assert (ROOT / script).exists(), f"{script} does not exist"
+    module = importlib.import_module(Path(script).stem)
+    parse = getattr(module, "parse_args", None)
+    if parse is None:
+        return "script (no parser)"
+    try:
+        parse(args)
+    except SystemExit as e:
+        raise AssertionError(f"{script} does not accept {args}") from e
+    return "script"
+
+
+def test_every_fenced_command_names_what_exists(capsys):
+    cmds = commands()
+    tiny, targets = tiny_checkpoints(), makefile_targets()
+    kinds, failures = {}, []
+    for doc, cmd in cmds:
+        try:
+            kind = check(cmd, tiny, targets)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        except AssertionError as e:
+            failures.append(f"{doc}: {cmd[:100]}: {e}")
+    with capsys.disabled():
+        print(f"\ndoc commands: {len(cmds)} checked ({kinds})")
+    assert len(cmds) >= 30 and not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", ["step_00000100"])
+def test_a_checkpoint_make_run_does_not_leave_is_caught(name):
+    with pytest.raises(AssertionError, match="leaves only"):
+        check(f"python scripts/export_checkpoint.py runs/tiny/checkpoints/{name} out", tiny_checkpoints(), set())
