@@ -57,9 +57,10 @@ HEALTHY = {
     "cosine": ["schedule.type=cosine", "schedule.min_lr_ratio=0.1"],
     "cosine seed 1": ["schedule.type=cosine", "schedule.min_lr_ratio=0.1", "run.seed=1"],
 }
-first = (ONSET - 1) * SAMPLES_PER_STEP
+POISONED = ((ONSET - 1) * SAMPLES_PER_STEP, (ONSET + 2) * SAMPLES_PER_STEP - 1)
+"""The samples of steps ONSET .. ONSET + 2 (inclusive), which the poison incident replaces with random tokens."""
 INCIDENTS = {
-    "poison 3 steps": ([f"debug.inject.poison_samples=[0, {first}, {first + 3 * SAMPLES_PER_STEP - 1}]"], "data"),
+    "poison 3 steps": ([f"debug.inject.poison_samples=[0, {POISONED[0]}, {POISONED[1]}]"], "data"),
     "grad x1000": ([f"debug.inject.grad_scale={{step: {ONSET}, factor: 1000}}"], "grad"),
     "nan loss": ([f"debug.inject.nan_step={ONSET}"], "nan"),
     "moments x1e4": ([f"debug.inject.corrupt_optimizer_step={ONSET}"], "optimizer"),
@@ -123,7 +124,7 @@ def incident_outcome(kind: str, j: dict) -> dict:
     detected = min((f[k] for k in fired), default=None)
     out = {"detected_by": fired, "delay": None if detected is None else detected - ONSET}
     if kind == "data":
-        lo, hi = (ONSET - 1) * SAMPLES_PER_STEP, (ONSET + 2) * SAMPLES_PER_STEP - 1
+        lo, hi = POISONED
         out["blamed_overlaps_poison"] = any(a <= hi and b >= lo for a, b in j["skipped"])
         out["skipped_outside_poison"] = sum(max(0, lo - a) + max(0, b - hi) for a, b in j["skipped"])
     return out

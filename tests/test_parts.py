@@ -252,7 +252,7 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
         for s in range(first, last + 1):
             h.record(s, 0, (s - 1) * 8)
             loss = 3.0 + 0.01 * rng.standard_normal() + (3.0 if s in spiky else 0.0)
-            d = h.after_step(s, loss, 1.0, skips=[])
+            d = h.after_step(s, loss, 1.0)
             if not isinstance(d, Ok):
                 return s, d
         return None, None
@@ -303,7 +303,7 @@ def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
     def run(first, last):
         for s in range(first, last + 1):
             h.record(s, 0, (s - 1) * 8)
-            d = h.after_step(s, curve[s], 1.0, skips=[])
+            d = h.after_step(s, curve[s], 1.0)
             if not isinstance(d, Ok):
                 return s, d
         return None, None
@@ -327,7 +327,7 @@ def test_spike_handler_aborts_past_the_rollback_limit_and_without_a_target():
     assert isinstance(d, Abort) and d.exit_code == 76 and "1 rollbacks within 1000 steps" in d.message
     h = SpikeHandler(SpikesSection(), lambda m: None, None, Log(), lambda *a: None)
     h.detector.start_grace(0)
-    d = h.after_step(30, float("nan"), 1.0, skips=[])
+    d = h.after_step(30, float("nan"), 1.0)
     assert isinstance(d, Abort) and "no checkpoint from before step 29" in d.message
 
 

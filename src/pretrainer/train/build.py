@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,9 +80,6 @@ class RunLR(torch.optim.lr_scheduler.LambdaLR):
     """torch's LambdaLR over the run's global optimizer step (what torchtitan wraps): each param group's LR is its
     own initial LR times the schedule's multiplier. Only the step is checkpointed (`{"step": N}`, as before this
     class): the LR is a function of it, recomputed on load."""
-
-    def __init__(self, optimizer, fn: Callable[[int], float]):
-        super().__init__(optimizer, fn)
 
     def step(self) -> None:
         if self._step_count != 1:

@@ -91,7 +91,8 @@ def measured_outliers(
     bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or (v - med) / scale > BLAME_SIGMAS]
     mean_ref = statistics.fmean(base)
     mean_all = statistics.fmean(finite) if finite else math.inf
-    rest = [v for i, v in enumerate(losses) if i not in set(bad)]
+    blamed = set(bad)
+    rest = [v for i, v in enumerate(losses) if i not in blamed]
     mean_rest = statistics.fmean(rest) if rest else mean_ref
     evidence.update(
         reference_median=med, reference_sd=scale, suspect_mean=mean_all, reference_mean=mean_ref, outliers=len(bad)
@@ -174,12 +175,9 @@ class SpikeHandler:
         suspect = self.detector.onset()
         return Protected(names, None if suspect is None else suspect - 2)
 
-    def after_step(self, step: int, loss: float, grad_norm: float | None, skips: list[list[int]]) -> Decision:
-        """Judge a finished step (its loss averaged over ranks and its gradient norm, on the host).
-
-        Args:
-            skips: the run's skip ledger as it stands (read only), for rebuilding past batches.
-        """
+    def after_step(self, step: int, loss: float, grad_norm: float | None) -> Decision:
+        """Judge a finished step (its loss averaged over ranks and its gradient norm, on the host). The data of a
+        spike are measured later, under the restored weights (`blame_restored`)."""
         d = self.detector.update(step, loss, grad_norm)
         if d.kind == "suspect":
             return OK
@@ -229,9 +227,8 @@ class SpikeHandler:
         """Every step of the spike had its update held back by skip-step, and fewer than `persistence` updates in
         a row were: a longer run of held-back updates is a run that cannot go on without a rollback."""
         held = set(self.held)
-        return all(s in held for s in range(onset, step + 1)) and not (
-            len(held) == self.cfg.persistence and max(held) - min(held) == self.cfg.persistence - 1 and step in held
-        )
+        in_a_row = next(k for k in range(len(held) + 1) if step - k not in held)
+        return all(s in held for s in range(onset, step + 1)) and in_a_row < self.cfg.persistence
 
     def blame_restored(self, first_step: int, last_step: int, skips: list[list[int]]) -> list[tuple[int, int, int]]:
         """After the loop restored the episode's target (the pre-spike weights): the samples of the spike's steps

@@ -107,6 +107,7 @@ class StepRunner:
                 if acc.sync_gradients and not self.deepspeed:
                     grad_norm, observed, skipped = self._update(step, loss_sum / len(batches))
                 elif acc.sync_gradients:  # its engine clipped and stepped inside backward (through the gate)
+                    # _after_deepspeed reads what it did; asking Accelerate for the norm here would read it twice
                     self.scheduler.step()
         loss = loss_sum / len(batches)
         for h in hooks:

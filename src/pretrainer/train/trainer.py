@@ -349,7 +349,7 @@ class Trainer:
         if self.spikes is None:
             return OK
         observed = outcome.observed
-        return self.spikes.after_step(outcome.step, observed.loss, observed.grad_norm, self.state.skips)
+        return self.spikes.after_step(outcome.step, observed.loss, observed.grad_norm)
 
     def _act(self, decision: Decision) -> None:
         """The one place where a decision changes the run: stop, or restore a checkpoint and replay."""
