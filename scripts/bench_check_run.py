@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LOG_EVERY = 10
 
 
-def make_run(out: Path, rows: int, seed: int = 0) -> dict:
-    """A finished run of `rows` metric rows: recipe.resolved.yaml, metrics.jsonl, events.jsonl."""
+def make_run(out: Path, rows: int, seed: int = 0, record: bool = True) -> dict:
+    """A finished run of `rows` metric rows: recipe.resolved.yaml, metrics.jsonl, events.jsonl and (`record`) the
+    per-step record, as the trainer writes them (without it: a run from before the record)."""
     steps = rows * LOG_EVERY
     main, long = int(steps * 0.8), int(steps * 0.1)
     recipe = load_recipe(
@@ -57,6 +58,8 @@ def make_run(out: Path, rows: int, seed: int = 0) -> dict:
                 json.dumps({"event": "stage_start", "step": start, "time": 0.0, "stage": name, "index": i}) + "\n"
             )
         ev.write(json.dumps({"event": "run_end", "step": steps, "time": steps * 0.036}) + "\n")
+    if record:
+        write_record(out, s, loss, lr, main, long)
     with open(out / "metrics.jsonl", "w") as f:
         for r in range(rows):
             a, b = r * LOG_EVERY, (r + 1) * LOG_EVERY
@@ -95,6 +98,42 @@ def make_run(out: Path, rows: int, seed: int = 0) -> dict:
     }
 
 
+def write_record(out: Path, s: np.ndarray, loss: np.ndarray, lr: np.ndarray, main: int, long: int) -> None:
+    """The per-step record in the trainer's format (`steprecord`'s two streams), a batch per `FLUSH_ROWS` steps."""
+    import pyarrow as pa
+
+    from pretrainer.observe import steprecord
+
+    d = out / steprecord.DIR
+    d.mkdir(parents=True, exist_ok=True)
+    n = len(s)
+    logged = np.flatnonzero(s % LOG_EVERY == 0)
+    steps = {"step": s, "epoch": np.zeros(n, np.int32), "loss": loss.astype(np.float32), "grad_norm": np.full(n, 0.3)}
+    rows = {
+        "step": s[logged],
+        "epoch": np.zeros(len(logged), np.int32),
+        "stage": ((s[logged] > main).astype(np.int16) + (s[logged] > main + long)).astype(np.int16),
+        "tokens": s[logged] * 8192,
+        "applied": np.ones(len(logged), bool),
+        "grad_norm": np.full(len(logged), 0.3),
+        "row_loss": loss[: len(logged) * LOG_EVERY].reshape(-1, LOG_EVERY).mean(axis=1),
+        "lr": lr[logged],
+        "tokens_per_s": np.full(len(logged), 28000.0),
+        "gns": np.full(len(logged), 229.0),
+    }
+    per_batch = steprecord.FLUSH_ROWS
+    for name, cols, schema, every in (
+        ("steps", steps, steprecord.step_schema(), per_batch),
+        ("rows", rows, steprecord.row_schema(), per_batch // LOG_EVERY),
+    ):
+        options = pa.ipc.IpcWriteOptions(compression="zstd")
+        with pa.OSFile(str(d / f"{name}-0000.arrows"), "wb") as sink:
+            with pa.ipc.new_stream(sink, schema, options=options) as writer:
+                for a in range(0, len(cols["step"]), every):
+                    arrays = [pa.array(cols[f.name][a : a + every], type=f.type) for f in schema]
+                    writer.write_batch(pa.record_batch(arrays, schema=schema))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="10000,100000,1000000")
@@ -102,29 +141,34 @@ def main(argv=None) -> int:
     p.add_argument("--reference-steps", type=int, default=100_000, help="steps replayed by both replays")
     p.add_argument("--phases", action="store_true", help="also time each phase of check_run's work in-process")
     p.add_argument("--curves", type=int, default=0, help="also compare the replays on N noisy 60k-step curves")
+    p.add_argument("--legacy", action="store_true", help="runs as written before the per-step record")
+    p.add_argument("--json", action="store_true", help="one JSON object: per size seconds, peak_rss_mb, episodes")
     args = p.parse_args(argv)
     results = []
     for rows in (int(x) for x in args.rows.split(",")):
         run = Path(args.out) / f"rows_{rows}"
-        info = make_run(run, rows)
-        t = time.perf_counter()
-        cp = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "check_run.py"), str(run), "--json"],
-            capture_output=True,
-            text=True,
-        )
-        wall = time.perf_counter() - t
-        if cp.returncode != 0:
-            print(cp.stderr, file=sys.stderr)
+        info = make_run(run, rows, record=not args.legacy)
+        seconds, peak_mb, rc, stdout, stderr = timed_check_run(run)
+        if rc != 0:
+            print(stderr, file=sys.stderr)
             return 1
-        rep = json.loads(cp.stdout)
+        rep = json.loads(stdout)
         found = [e[0] for e in rep["replayed_spikes"]]
         results.append(
-            {"rows": rows, **info, "check_run_s": round(wall, 2), "verdict": rep["verdict"], "found": found}
+            {
+                "rows": rows,
+                **info,
+                "seconds": seconds,
+                "peak_rss_mb": peak_mb,
+                "verdict": rep["verdict"],
+                "found": found,
+                "injected_found": sum(any(abs(f - x) <= 2 for f in found) for x in info["spikes"]),
+            }
         )
         if args.phases:
             results[-1]["phases"] = phases(run)
-        print(json.dumps(results[-1]))
+        if not args.json:
+            print(json.dumps(results[-1]))
     # the fast replay against the step-by-step one on the same curve
     curve = [(int(a), float(b)) for a, b in _losses(Path(args.out) / f"rows_{results[0]['rows']}")]
     curve = curve[: args.reference_steps]
@@ -137,14 +181,13 @@ def main(argv=None) -> int:
     same = [(e["onset"], e["detected"], e["recovered"]) for e in fast] == [
         (e["onset"], e["detected"], e["recovered"]) for e in slow
     ]
-    print(
-        json.dumps(
-            {"replay_steps": len(curve), "fast_s": round(t_fast, 2), "stepwise_s": round(t_slow, 2), "same": same}
-        )
-    )
+    check = {"replay_steps": len(curve), "fast_s": round(t_fast, 2), "stepwise_s": round(t_slow, 2), "same": same}
     checks = noisy_curves(seeds=args.curves) if args.curves else []
-    for c in checks:
-        print(json.dumps(c))
+    if args.json:
+        print(json.dumps({"sizes": results, "replay_check": check, "noisy_curves": checks}, indent=1))
+    else:
+        for c in [check, *checks]:
+            print(json.dumps(c))
     return 0 if same and all(c["same"] for c in checks) else 1
 
 
@@ -155,7 +198,7 @@ def phases(run_dir: Path) -> dict:
     out, t = {}, time.perf_counter()
     run = health.load_run(run_dir)
     out["read_json"], t = time.perf_counter() - t, time.perf_counter()
-    spike_episodes([(s, health.as_float(v)) for s, v in run["losses"]], health.grace_starts(run))
+    health.replayed(run)
     out["spike_replay"], t = time.perf_counter() - t, time.perf_counter()
     health.report(run_dir, run=run)
     out["report_incl_replay"], t = time.perf_counter() - t, time.perf_counter()
@@ -195,6 +238,26 @@ def noisy_curves(n: int = 60_000, seeds: int = 4) -> list[dict]:
             }
         )
     return out
+
+
+MEASURE = """
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+rc = subprocess.call(sys.argv[1:])
+seconds = time.perf_counter() - t
+print(json.dumps({"rc": rc, "seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}), file=sys.stderr)
+"""
+"""Runs a command and reports its own time and peak RSS. Through this small process because a child's peak RSS
+counts the memory of the process that started it, as of its exec (Linux): this benchmark holds a 10M-step curve."""
+
+
+def timed_check_run(run: Path) -> tuple[float, float, int, str, str]:
+    """`check_run.py RUN --json` in a fresh process: (seconds, its own peak RSS in MB, exit code, stdout, stderr)."""
+    cmd = [sys.executable, "-c", MEASURE, sys.executable, str(ROOT / "scripts" / "check_run.py"), str(run), "--json"]
+    cp = subprocess.run(cmd, capture_output=True, text=True)
+    *err, last = cp.stderr.rstrip("\n").split("\n")
+    m = json.loads(last)
+    return round(m["seconds"], 2), round(m["peak_mb"]), m["rc"], cp.stdout, "\n".join(err)
 
 
 def _losses(run: Path):

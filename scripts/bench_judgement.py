@@ -103,7 +103,9 @@ def judged(out: Path) -> dict:
     warm = 20 + 20  # warmup (micro: 3 steps) and the grace after it, rounded up to the first eval past both
     verdicts = [e for e in events if e["event"] == ev.HEALTH and e["step"] > warm]
     counts["verdict not healthy"] = sum(e["verdict"] != "healthy" for e in verdicts)
-    counts["replayed spike"] = len(report(out, verify_checkpoint=False, deep=False)["replayed_spikes"])
+    replayed = report(out, verify_checkpoint=False, deep=False)["replayed_spikes"]
+    counts["replayed spike"] = len(replayed)
+    live = [[e["onset"], e["step"]] for e in events if e["event"] == ev.SPIKE]
     lost = sum(e.get("tokens", 0) for e in events if e["event"] in (ev.SKIPPED_UPDATE, ev.ROLLBACK))
     skipped = [(e["first"], e["last"]) for e in events if e["event"] == ev.SKIP]
     first = {k: min((e["step"] for e in events if e["event"] == k), default=None) for k in COUNTED}
@@ -114,6 +116,9 @@ def judged(out: Path) -> dict:
         "tokens_lost": lost,
         "skipped": skipped,
         "first": first,
+        "live_spikes": live,
+        "replayed_spikes": [[onset, detected] for onset, detected, _ in replayed],
+        "replay_equals_live": live == [[onset, detected] for onset, detected, _ in replayed],
     }
 
 

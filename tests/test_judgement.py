@@ -6,7 +6,7 @@ import json
 import bench_judgement
 
 
-def test_quick_corpus_healthy_runs_raise_nothing_and_poison_is_blamed_exactly(tmp_path, cache_dir):
+def test_quick_corpus_healthy_runs_raise_nothing_poison_is_blamed_and_the_replay_is_the_live_rule(tmp_path, cache_dir):
     out = tmp_path / "j.json"
     args = ["--quick", "--work-dir", str(tmp_path / "runs"), "--cache-dir", str(cache_dir), "--out", str(out)]
     assert bench_judgement.main(args) == 0
@@ -16,3 +16,8 @@ def test_quick_corpus_healthy_runs_raise_nothing_and_poison_is_blamed_exactly(tm
     (poison,) = [x for x in r["runs"] if x["kind"] == "data"]
     assert poison["rc"] == 0 and poison["delay"] is not None and poison["delay"] <= 3 + 1  # persistence + 1
     assert poison["blamed_overlaps_poison"] and poison["skipped_outside_poison"] == 0
+    # check_run's replay of what each run lived equals the live rule's spikes, the rolled-back one included
+    assert poison["live_spikes"] == [[300, 302]] and poison["counts"]["rollback"] == 1
+    assert all(x["replay_equals_live"] for x in r["runs"]), [
+        (x["live_spikes"], x["replayed_spikes"]) for x in r["runs"]
+    ]

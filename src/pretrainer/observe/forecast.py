@@ -75,13 +75,39 @@ class Curve:
 
 def areas(lr: np.ndarray, warmup: int, lam: float) -> tuple[np.ndarray, np.ndarray]:
     """(S1, S2) at every step 0..N (index t: after step t). O(N)."""
+    s1, s2 = areas_at(lr, warmup, (lam,), np.arange(len(lr) + 1))
+    return s1, s2[lam]
+
+
+def areas_at(
+    lr: np.ndarray, warmup: int, lams: tuple[float, ...], steps: np.ndarray
+) -> tuple[np.ndarray, dict[float, np.ndarray]]:
+    """S1 and, for each lam, S2 after the given steps only: one pass over the LR sequence for S1, and for S2 one
+    pass from the first LR drop on (none for the stable phase of a WSD run). A 10M-step run costs ~0.1 s and a few
+    arrays of its length, where the full arrays for each lam would cost seconds and gigabytes."""
     lr = np.asarray(lr, float)
-    s1 = np.concatenate([[0.0], np.cumsum(lr)])
-    drop = np.zeros(len(lr))
-    drop[1:] = np.maximum(lr[:-1] - lr[1:], 0.0)
-    drop[: warmup + 1] = 0.0
-    m = lfilter([1.0], [1.0, -lam], drop)  # the momentum recursion m_i = lam * m_{i-1} + drop_i, in C
-    return s1, np.concatenate([[0.0], np.cumsum(m)])
+    steps = np.asarray(steps, int)
+    s1 = _sums_at(lr, steps)
+    drop = np.subtract(lr[:-1], lr[1:])  # drop[i - 1]: the fall into step i
+    np.maximum(drop, 0.0, out=drop)
+    drop[:warmup] = 0.0
+    falls = np.flatnonzero(drop)
+    out = {}
+    for lam in lams:
+        if not len(falls):
+            out[lam] = np.zeros(len(steps))
+            continue
+        first = int(falls[0])  # the momentum is 0 before the first fall
+        m = lfilter([1.0], [1.0, -lam], drop[first:])  # m_i = lam * m_{i-1} + drop_i, in C
+        out[lam] = _sums_at(m, steps - first - 1)
+    return s1, out
+
+
+def _sums_at(x: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """sum(x[:t]) for each t in `steps` (0 where t <= 0)."""
+    c = np.cumsum(x)
+    at = np.clip(steps, 0, len(x))
+    return np.where(at > 0, c[np.maximum(at - 1, 0)] if len(c) else 0.0, 0.0)
 
 
 @dataclass
@@ -163,12 +189,13 @@ def fit(curves: list[Curve], *, max_points: int = 400) -> Fit:
         raise ValueError(f"{len(y)} observations: the law needs at least 4 to fit")
     calibrated = sum(c.decay_points() for c, _, _ in data) >= 2
     lams = LAMBDAS if calibrated else (LAMBDAS[-1],)
-    cache = {lam: [areas(c.lr, c.warmup, lam) for c, _, _ in data] for lam in lams}
+    at = [areas_at(c.lr, c.warmup, lams, s) for c, s, _ in data]  # each curve's areas at its observed steps
+    cache = {lam: [(s1, s2[lam]) for s1, s2 in at] for lam in lams}
 
     def design(alpha: float, lam: float) -> np.ndarray:
         rows = []
         for (_, s, _), (s1, s2) in zip(data, cache[lam]):
-            rows.append(np.stack([np.ones(len(s)), np.maximum(s1[s], 1e-9) ** (-alpha), -s2[s]], axis=1))
+            rows.append(np.stack([np.ones(len(s)), np.maximum(s1, 1e-9) ** (-alpha), -s2], axis=1))
         return np.concatenate(rows)
 
     def sse(alpha: float, lam: float) -> float:
@@ -185,7 +212,7 @@ def fit(curves: list[Curve], *, max_points: int = 400) -> Fit:
     (l0, a, cc), r = _solve(x, y, calibrated)
     dof = max(1, len(y) - (4 if calibrated else 3))
     sigma = max(float(np.sqrt(np.sum(r**2) / dof)), 1e-6)
-    s1_obs = np.concatenate([np.maximum(s1[s], 1e-9) for (_, s, _), (s1, _) in zip(data, cache[lam])])
+    s1_obs = np.concatenate([np.maximum(s1, 1e-9) for s1, _ in cache[lam]])
     jac = np.stack([x[:, 0], x[:, 1], -a * x[:, 1] * np.log(s1_obs), x[:, 2]], axis=1)
     if not calibrated:
         jac = jac[:, :3]
@@ -200,19 +227,20 @@ def fit(curves: list[Curve], *, max_points: int = 400) -> Fit:
 def curve_of(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> np.ndarray:
     """The law's loss at `steps` under the LR sequence `lr`."""
     l0, a, alpha, c, lam = f.params
-    s1, s2 = areas(lr, warmup, lam)
     steps = np.atleast_1d(np.asarray(steps, int))
-    return l0 + a * np.maximum(s1[steps], 1e-9) ** (-alpha) - c * s2[steps]
+    s1, s2 = areas_at(lr, warmup, (lam,), steps)
+    return l0 + a * np.maximum(s1, 1e-9) ** (-alpha) - c * s2[lam]
 
 
 def predict(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(value, lo, hi) at `steps` under `lr`: the law and its 90% band (delta method, noise included)."""
     l0, a, alpha, c, lam = f.params
-    s1, s2 = areas(lr, warmup, lam)
     steps = np.atleast_1d(np.asarray(steps, int))
-    p = np.maximum(s1[steps], 1e-9) ** (-alpha)
-    value = l0 + a * p - c * s2[steps]
-    g = np.stack([np.ones(len(steps)), p, -a * p * np.log(np.maximum(s1[steps], 1e-9)), -s2[steps]], axis=1)
+    s1, s2 = areas_at(lr, warmup, (lam,), steps)
+    s2 = s2[lam]
+    p = np.maximum(s1, 1e-9) ** (-alpha)
+    value = l0 + a * p - c * s2
+    g = np.stack([np.ones(len(steps)), p, -a * p * np.log(np.maximum(s1, 1e-9)), -s2], axis=1)
     sd = np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", g, f.cov, g) + f.sigma**2, 0.0))
     return value, value - Z90 * sd, value + Z90 * sd
 

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from .. import checkpoint as ck
 from ..evaluation.context import context_verdict
 from ..recipe.sections import SpikesSection
-from ..train.spike_replay import spike_episodes
+from ..train.spike_replay import lived_episodes, spike_episodes, timeline
 from . import events as ev
+from .steprecord import Record, read_record
 from .tracking import read_jsonl
 
 DIVERGE_RATIO = 0.10
@@ -35,34 +36,148 @@ EVAL_SIGMAS = 3.0
 """Validation this far above its best, while training still falls, is overfitting."""
 
 
+class Curve:
+    """A per-step loss curve as two arrays (a long run has millions of steps: no Python tuple per step)."""
+
+    def __init__(self, steps: np.ndarray, values: np.ndarray):
+        self.steps, self.values = np.asarray(steps, np.int64), np.asarray(values, float)
+
+    @classmethod
+    def of(cls, pairs) -> Curve:
+        if isinstance(pairs, Curve):
+            return pairs
+        pairs = list(pairs)
+        return cls(np.array([s for s, _ in pairs], np.int64), np.array([as_float(v) for _, v in pairs], float))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):
+        return zip(self.steps.tolist(), self.values.tolist())
+
+
+TRAIN_COLUMNS = ("step", "stage", "loss", "tokens", "tokens_per_s", "lr", "grad_norm", "gns")
+"""What the report and the plot read of the training rows (`gns`: the row's `gns/b_simple`)."""
+
+
+def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Training rows (dicts from metrics.jsonl) as the report's columns."""
+    key = {"gns": "gns/b_simple"}
+    out = {c: np.array([as_float(m.get(key.get(c, c))) for m in rows], float) for c in TRAIN_COLUMNS}
+    out["step"] = np.array([m["step"] for m in rows], np.int64)
+    out["stage"] = np.array([m.get("stage") for m in rows], object)
+    out["tokens"] = np.array([m.get("tokens") or 0 for m in rows], np.int64)
+    return out
+
+
+def _record_columns(rec: Record, final: np.ndarray, stages: list[str]) -> dict[str, np.ndarray]:
+    """The same columns from the record's logged rows on the final timeline: a row is there when its epoch is the
+    epoch that step has on it (a step is run once per epoch)."""
+    rows, whole = rec.rows, len(final) == len(rec)
+    on_step, on_epoch = (rec.step, rec.epoch) if whole else (rec.step[final], rec.epoch[final])
+    at = np.searchsorted(on_step, rows["step"])
+    ok = at < len(on_step)
+    ok[ok] &= on_step[at[ok]] == rows["step"][ok]
+    ok[ok] &= on_epoch[at[ok]] == rows["epoch"][ok]
+    rows = {k: v[ok] for k, v in rows.items()}
+    order = np.argsort(rows["step"], kind="stable")
+    rows = {k: v[order] for k, v in rows.items()}
+    names = np.array(stages or ["?"], object)
+    return {
+        "step": rows["step"].astype(np.int64),
+        "stage": names[np.minimum(rows["stage"].astype(np.int64), len(names) - 1)],
+        "loss": rows["row_loss"],
+        "tokens": rows["tokens"].astype(np.int64),
+        "tokens_per_s": rows["tokens_per_s"],
+        "lr": rows["lr"],
+        "grad_norm": rows["grad_norm"].astype(float),
+        "gns": rows["gns"],
+    }
+
+
 def load_run(output_dir: str | Path) -> dict[str, Any]:
-    """Metrics and events of a run (live or finished). A step logged again after a rollback or resume replaces the
-    earlier record."""
+    """Metrics, events and the per-step record of a run (live or finished). A step logged again after a rollback or
+    resume replaces the earlier one in `losses` and `train`; `record` keeps every step as lived (None for runs
+    written before it existed, whose per-step losses come from metrics.jsonl).
+
+    With a record, metrics.jsonl is not parsed whole: only its eval lines are (found by a byte search), so a
+    10M-step run reads in seconds in bounded memory."""
     d = Path(output_dir)
-    train: dict[int, dict] = {}
-    evals: dict[int, dict] = {}
-    per_step: dict[int, float] = {}
-    for line, m in _rows(d / "metrics.jsonl"):
-        if '"val/' in line and any(k.startswith("val/") for k in m):  # the text test first: 1M rows
-            evals[m["step"]] = m
-        elif "loss" in m:
-            train[m["step"]] = m
-            for s, v in m.get("step_losses", []):
-                per_step[s] = v
     events = read_jsonl(d / "events.jsonl")
     recipe = None
     if (d / "recipe.resolved.yaml").exists():
         recipe = yaml.safe_load((d / "recipe.resolved.yaml").read_text())
     mtime = (d / "metrics.jsonl").stat().st_mtime if (d / "metrics.jsonl").exists() else None
+    rec = read_record(d)
+    if rec is not None:
+        evals = {m["step"]: m for m in _eval_rows(d / "metrics.jsonl")}
+        final = timeline(rec.step)
+        whole = len(final) == len(rec)  # nothing re-run: no copies
+        losses = Curve(rec.step if whole else rec.step[final], (rec.loss if whole else rec.loss[final]).astype(float))
+        stages = [st.get("name") for st in (recipe or {}).get("stages") or []]
+        train = _record_columns(rec, final, stages)
+    else:
+        train_rows: dict[int, dict] = {}
+        evals, per_step = {}, {}
+        for line, m in _rows(d / "metrics.jsonl"):
+            if '"val/' in line and any(k.startswith("val/") for k in m):  # the text test first: 1M rows
+                evals[m["step"]] = m
+            elif "loss" in m:
+                train_rows[m["step"]] = m
+                for s, v in m.get("step_losses", []):
+                    per_step[s] = v
+        ordered = [train_rows[s] for s in sorted(train_rows)]
+        losses = Curve.of(sorted(per_step.items()) or [(m["step"], m["loss"]) for m in ordered])
+        train = _columns(ordered)
     return {
         "dir": d,
-        "train": [train[s] for s in sorted(train)],
+        "train": train,
         "evals": [evals[s] for s in sorted(evals)],
-        "losses": sorted(per_step.items()) or [(m["step"], m["loss"]) for m in (train[s] for s in sorted(train))],
+        "losses": losses,
+        "record": rec,
+        "final": final if rec is not None else None,
         "events": events,
         "recipe": recipe,
         "last_write": mtime,
     }
+
+
+EVAL_MARKERS = (b'"val/', b'"eval/')
+CHUNK_BYTES = 1 << 24
+
+
+def _eval_rows(path: Path):
+    """The eval lines of a metrics file, found by a byte search in 16 MB chunks (they are ~1% of the lines: parsing
+    the rest would cost ~20 s per GB of JSON); a torn line is skipped."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        tail = b""
+        while chunk := f.read(CHUNK_BYTES):
+            buf = tail + chunk
+            cut = buf.rfind(b"\n") + 1
+            buf, tail = buf[:cut], buf[cut:]
+            yield from _marked_lines(buf)
+        yield from _marked_lines(tail)
+
+
+def _marked_lines(buf: bytes):
+    starts = set()
+    for marker in EVAL_MARKERS:
+        at = buf.find(marker)
+        while at >= 0:
+            start = buf.rfind(b"\n", 0, at) + 1
+            starts.add(start)
+            end = buf.find(b"\n", at)
+            at = buf.find(marker, end if end >= 0 else len(buf))
+    for start in sorted(starts):
+        end = buf.find(b"\n", start)
+        try:
+            m = json.loads(buf[start : end if end >= 0 else len(buf)])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if any(k.startswith(("val/", "eval/")) for k in m):
+            yield m
 
 
 def _rows(path: Path):
@@ -92,9 +207,23 @@ def spike_rule(run: dict[str, Any]) -> SpikesSection:
 
 
 def grace_starts(run: dict[str, Any]) -> list[int]:
-    """Where the live spike rule restarted its grace period: the end of warmup and each stage start after step 0."""
-    warmup = (((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0
-    return [warmup] + [e["step"] for e in run["events"] if e["event"] == ev.STAGE_START and e["step"] > 0]
+    """Where the live spike rule restarted its grace period and forgot its trend: each stage start after step 0."""
+    return [e["step"] for e in run["events"] if e["event"] == ev.STAGE_START and e["step"] > 0]
+
+
+def warmup_of(run: dict[str, Any]) -> int:
+    """The grace the live rule started with: judging begins `grace_steps` after warmup."""
+    return int((((run["recipe"] or {}).get("schedule") or {}).get("warmup_steps")) or 0)
+
+
+def replayed(run: dict[str, Any]) -> list[dict]:
+    """The live spike rule replayed with the run's own section: over what the run lived (its record: rolled-back
+    and re-run steps included), or over the logged final timeline for runs written before the record."""
+    cfg, graces, start = spike_rule(run), grace_starts(run), warmup_of(run)
+    if (rec := run.get("record")) is not None:
+        return lived_episodes(rec.step, rec.judged_loss(), rec.epoch, graces, cfg, start, run.get("final"))
+    curve = run["losses"]
+    return spike_episodes((curve.steps, curve.values), graces, cfg, start)
 
 
 def val_of(m: dict) -> Any:
@@ -110,8 +239,10 @@ def as_float(v: Any) -> float:
         return math.nan
 
 
-def _windows(values: list[float], k: int) -> list[float]:
-    return [statistics.median(values[i : i + k]) for i in range(0, len(values) - k + 1, k)]
+def _windows(values: np.ndarray, k: int) -> list[float]:
+    """Medians of consecutive windows of `k` values (a partial last window left out)."""
+    n = len(values) // k * k
+    return np.median(values[:n].reshape(-1, k), axis=1).tolist() if n else []
 
 
 def verdict(
@@ -133,15 +264,16 @@ def verdict(
         episodes: spikes found by replaying the live rule over `losses` (`spike_replay.spike_episodes`); the live check
             passes None, since the live detector's own spikes are in `events`.
     """
-    if not losses:
+    curve = Curve.of(losses)
+    if not len(curve):
         return "stalled", ["no training metrics logged"]
     if not finished and idle_s is not None and idle_s > stall_minutes * 60:
         return "stalled", [f"no metrics for {idle_s / 60:.0f} minutes and no run_end"]
-    values = [as_float(v) for _, v in losses]
+    values = curve.values
     tail = values[-max(3, len(values) // 20) :]
-    if sum(not math.isfinite(v) for v in tail) > len(tail) // 2:
+    if int((~np.isfinite(tail)).sum()) > len(tail) // 2:
         return "diverging", ["the latest training losses are not finite"]
-    finite = [v for v in values if math.isfinite(v)]
+    finite = values[np.isfinite(values)]
     k = max(3, len(finite) // 10)
     meds = _windows(finite, k)
     reasons: list[str] = []
@@ -149,7 +281,8 @@ def verdict(
         best, last = min(meds[:-1]), meds[-1]
         if last > best * (1 + DIVERGE_RATIO) and last > meds[-2]:
             return "diverging", [f"smoothed loss {last:.4g} is {last / best - 1:.0%} above its best {best:.4g}"]
-    unrecovered = [e for e in episodes or [] if e["recovered"] is None and values and losses[-1][0] - e["onset"] >= 10]
+    last_step = int(curve.steps[-1])
+    unrecovered = [e for e in episodes or [] if e["recovered"] is None and last_step - e["onset"] >= 10]
     if unrecovered:
         return "diverging", [f"the loss has stayed above its trend since a spike at step {unrecovered[-1]['onset']}"]
     vals = [(s, as_float(v)) for s, v in val if math.isfinite(as_float(v))]
@@ -165,7 +298,7 @@ def verdict(
             ]
     if len(finite) >= 40:
         q = len(finite) // 4
-        prev, last = statistics.median(finite[-2 * q : -q]), statistics.median(finite[-q:])
+        prev, last = float(np.median(finite[-2 * q : -q])), float(np.median(finite[-q:]))
         if (prev - last) / abs(prev) < PLATEAU_RATIO:
             return "plateaued", [f"the last quarter improved {(prev - last) / abs(prev):.2%} on the one before"]
     n_spikes = max(sum(e["event"] == ev.SPIKE for e in events), len(episodes or []))
@@ -190,7 +323,7 @@ class HealthMonitor:
         """The latest `context` event's details (loss by position and its verdict)."""
         if output_dir is not None:
             run = load_run(output_dir)
-            self.losses.update(run["losses"])
+            self.losses.update(run["losses"])  # (step, loss) pairs
             self.val.update((m["step"], val_of(m)) for m in run["evals"])
             self.val_se.update((m["step"], m[ev.VAL_REF_SE]) for m in run["evals"] if ev.VAL_REF_SE in m)
             self.incidents = [e for e in run["events"] if e["event"] in (ev.SPIKE, ev.ROLLBACK)]
@@ -224,15 +357,17 @@ def _stage_summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
     for e in run["events"]:
         if e["event"] == ev.STAGE_START:
             stages[e["stage"]] = {"name": e["stage"], "start_step": e["step"], "seq_len": e.get("seq_len")}
+    train = run["train"]
     for name, st in stages.items():
-        rows = [m for m in run["train"] if m.get("stage") == name]
-        if rows:
-            tps = [as_float(m.get("tokens_per_s")) for m in rows if math.isfinite(as_float(m.get("tokens_per_s")))]
+        rows = np.flatnonzero(train["stage"] == name)
+        if len(rows):
+            tps = train["tokens_per_s"][rows]
+            tps = tps[np.isfinite(tps)]
             st.update(
                 steps_logged=len(rows),
-                loss_first=as_float(rows[0]["loss"]),
-                loss_last=as_float(rows[-1]["loss"]),
-                tokens_per_s=statistics.median(tps) if tps else None,
+                loss_first=float(train["loss"][rows[0]]),
+                loss_last=float(train["loss"][rows[-1]]),
+                tokens_per_s=float(np.median(tps)) if len(tps) else None,
             )
         evs = [m for m in run["evals"] if m.get("stage") == name]
         if evs:
@@ -242,16 +377,14 @@ def _stage_summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
     """The train/validation gap at the first and last eval (validation: `val/ref`), and its trend."""
-    losses = dict(run["losses"])
+    curve = run["losses"]
     gaps = []
     for m in run["evals"]:
-        near = [
-            losses[s]
-            for s in range(m["step"] - 10, m["step"] + 1)
-            if s in losses and math.isfinite(as_float(losses[s]))
-        ]
-        if near and m["step"] > 0:
-            gaps.append((m["step"], as_float(val_of(m)) - statistics.median(near)))
+        a, b = np.searchsorted(curve.steps, [m["step"] - 10, m["step"] + 1])
+        near = curve.values[a:b]
+        near = near[np.isfinite(near)]
+        if len(near) and m["step"] > 0:
+            gaps.append((m["step"], as_float(val_of(m)) - float(np.median(near))))
     if not gaps:
         return None
     trend = gaps[-1][1] - gaps[0][1]
@@ -264,9 +397,10 @@ def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
 
 def _gns_summary(run: dict[str, Any]) -> dict[str, Any] | None:
     """The latest gradient noise scale against the global batch."""
-    gns = [as_float(m["gns/b_simple"]) for m in run["train"] if "gns/b_simple" in m]
+    gns = run["train"]["gns"]
+    gns = gns[np.isfinite(gns)].tolist()
     gbt = ((run["recipe"] or {}).get("batch") or {}).get("global_batch_tokens")
-    if not (gns and gbt and math.isfinite(gns[-1]) and gns[-1] > 0):
+    if not (gns and gbt and gns[-1] > 0):
         return None
     ratio = gbt / gns[-1]
     return {
@@ -291,7 +425,7 @@ def report(
     finished = any(e["event"] == ev.RUN_END for e in events)
     idle = time.time() - run["last_write"] if run["last_write"] else None
     val = [(m["step"], val_of(m)) for m in run["evals"]]
-    episodes = spike_episodes([(s, as_float(v)) for s, v in run["losses"]], grace_starts(run), spike_rule(run))
+    episodes = replayed(run)
     val_se = {m["step"]: m[ev.VAL_REF_SE] for m in run["evals"] if ev.VAL_REF_SE in m}
     v, reasons = verdict(run["losses"], val, events, finished, idle, stall_minutes, episodes, val_se)
     if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
@@ -301,8 +435,8 @@ def report(
     if remote is not None:
         out["remote"] = remote
     train = run["train"]
-    if train:
-        out["step"], out["tokens"] = train[-1]["step"], train[-1].get("tokens")
+    if len(train["step"]):
+        out["step"], out["tokens"] = int(train["step"][-1]), int(train["tokens"][-1])
 
     out["stages"] = _stage_summaries(run)
     if gap := _gap(run):
@@ -312,9 +446,9 @@ def report(
     }
     out["skips"] = [[e["stage"], e["first"], e["last"]] for e in events if e["event"] == ev.SKIP]
     out["ladder"] = ladder(events)
-    tps = [as_float(m.get("tokens_per_s")) for m in train if math.isfinite(as_float(m.get("tokens_per_s")))]
-    if tps:
-        out["throughput"] = {"tokens_per_s_median": statistics.median(tps), "tokens_per_s_last": tps[-1]}
+    tps = train["tokens_per_s"][np.isfinite(train["tokens_per_s"])]
+    if len(tps):
+        out["throughput"] = {"tokens_per_s_median": float(np.median(tps)), "tokens_per_s_last": float(tps[-1])}
 
     if verify_checkpoint:  # the latest checkpoint that verifies
         check = partial(ck.verify, scan=deep)  # offline: also read every tensor back for NaN/Inf

@@ -71,9 +71,8 @@ def plot_run(output_dir: str | Path, path: str | Path) -> Path:
     run = load_run(output_dir)
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1, 1]})
     ax = axes[0]
-    if run["losses"]:
-        s, v = zip(*run["losses"])
-        ax.plot(s, [as_float(x) for x in v], lw=0.8, color="C0", label="train")
+    if len(run["losses"]):
+        ax.plot(run["losses"].steps, run["losses"].values, lw=0.8, color="C0", label="train")
     sources = sorted({k for m in run["evals"] for k in m if k.startswith("val/")})
     for i, key in enumerate(sources):
         pts = [(m["step"], as_float(m[key])) for m in run["evals"] if key in m]
@@ -92,9 +91,8 @@ def plot_run(output_dir: str | Path, path: str | Path) -> Path:
     ax.set_ylabel("loss")
     ax.legend(fontsize=8, ncol=3)
     for a, key, label in zip(axes[1:], ["lr", "grad_norm", "tokens_per_s"], ["lr", "grad norm", "tokens/s"]):
-        pts = [(m["step"], as_float(m.get(key))) for m in run["train"]]
-        if pts:
-            a.plot(*zip(*pts), lw=1.0)
+        if len(run["train"]["step"]):
+            a.plot(run["train"]["step"], run["train"][key], lw=1.0)
         a.set_ylabel(label)
     axes[-1].set_xlabel("optimizer step")
     axes[0].set_title(f"{Path(output_dir).name}")

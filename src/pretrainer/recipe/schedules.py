@@ -132,12 +132,19 @@ def lr_array(recipe: Recipe) -> np.ndarray:
     """The recipe's LR multiplier at steps 0 .. total_steps - 1, vectorised (`lr_lambda` at each step; a run of a
     million steps takes milliseconds, not a second of Python calls)."""
     s, plan = recipe.schedule, recipe.plan
-    steps = np.arange(plan.total_steps)
-    if s.type == "cosine":
-        return cosine_array(
-            steps, warmup_steps=s.warmup_steps, total_steps=plan.total_steps, min_lr_ratio=s.min_lr_ratio
-        )
-    return wsd_array(steps, **_wsd_args(recipe))
+    out = np.empty(plan.total_steps)
+    for a in range(0, plan.total_steps, LR_CHUNK):  # in pieces: the formulas' temporaries stay small
+        steps = np.arange(a, min(a + LR_CHUNK, plan.total_steps))
+        if s.type == "cosine":
+            kw = dict(warmup_steps=s.warmup_steps, total_steps=plan.total_steps, min_lr_ratio=s.min_lr_ratio)
+            out[a : a + len(steps)] = cosine_array(steps, **kw)
+        else:
+            out[a : a + len(steps)] = wsd_array(steps, **_wsd_args(recipe))
+    return out
+
+
+LR_CHUNK = 1 << 20
+"""Steps of the schedule computed at once by `lr_array` (~8 MB per temporary)."""
 
 
 def lr_at(recipe: Recipe, step: int) -> float:

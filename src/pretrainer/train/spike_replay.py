@@ -18,15 +18,17 @@ step is refitted with the live code, so the replay decides as the live detector 
 
 from __future__ import annotations
 
-import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
 from .spikes import MAD_TO_SD, SpikeDetector
 
-CHUNK = 16384
-"""Most windows fitted per batch: ~13 MB per array at the default window of 100."""
+CHUNK = 32768
+"""Most windows fitted per batch: ~26 MB per array at the default window of 100."""
 MIN_CHUNK = 1024
 """Windows fitted by the first batch; each batch that runs out doubles the next, up to `CHUNK`."""
 TIE = 1e-6
@@ -45,10 +47,17 @@ def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> np.ndarray:
     """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3).
-    A 1-D u (W,) is every row's (consecutive steps): unweighted, one 3x3 system serves all rows, one matrix product."""
+    A 1-D u (W,) is every row's (consecutive steps): unweighted, one 3x3 system serves all rows, one matrix product;
+    weighted, the power sums of all rows are one matrix product too."""
     if u.ndim == 1:
-        a = np.vander(u, 3, increasing=True)
-        return y @ np.linalg.solve(a.T @ a, a.T).T
+        if w is None:
+            a = np.vander(u, 3, increasing=True)
+            return y @ np.linalg.solve(a.T @ a, a.T).T
+        v = np.vander(u, 5, increasing=True)
+        sums = w @ v  # (B, 5): sum of w u^k
+        gram = sums[:, [[0, 1, 2], [1, 2, 3], [2, 3, 4]]]
+        rhs = (w * y) @ v[:, :3]
+        return np.linalg.solve(gram, rhs[..., None])[..., 0]
     wu = u if w is None else w * u
     wu2 = wu * u
     s0 = np.full(len(u), float(u.shape[1])) if w is None else w.sum(axis=1)
@@ -76,23 +85,34 @@ def batched_trend_fit(
         span = np.maximum(1.0, at - steps.min(axis=1))
         u = (steps - at[:, None]) * (1.0 / span)[:, None]
 
+    vander = np.vander(u, 3, increasing=True).T if u.ndim == 1 else None
+
     def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         coef = _solve(u, y, w)
-        resid = y - (coef[:, :1] + u * (coef[:, 1:2] + u * coef[:, 2:]))
-        return coef, resid, MAD_TO_SD * _rows_median(np.abs(resid - _rows_median(resid)[:, None]))
+        if vander is not None:  # one matrix product for every row's quadratic
+            resid = y - coef @ vander
+        else:
+            resid = y - (coef[:, :1] + u * (coef[:, 1:2] + u * coef[:, 2:]))
+        dev = resid - _rows_median(resid)[:, None]
+        np.abs(dev, out=dev)
+        return coef, resid, MAD_TO_SD * _rows_median(dev)
 
     coef, resid, sd = fit(u, losses, None)
-    keep = np.where(sd[:, None] > 0, np.abs(resid) <= 3 * sd[:, None], True)
+    keep = np.abs(resid) <= (3 * sd)[:, None]
+    if not sd.all():
+        keep[sd <= 0] = True
     count = keep.sum(axis=1)
     again = (count > deg + 2) & (count < n)
     if again.any():
-        ua = u[again] if u.ndim == 2 else np.broadcast_to(u, (int(again.sum()), n))
+        ua = u[again] if u.ndim == 2 else u
         c2, r2, s2 = fit(ua, losses[again], keep[again].astype(float))
         coef[again], resid[again], sd[again] = c2, r2, s2
         keep[again] = np.abs(r2) <= 3 * s2[:, None]
-    n_in = keep.sum(axis=1)
+        n_in = keep.sum(axis=1)
+    else:
+        n_in = count
     ok = n_in > deg + 2
-    inlier_sd = np.sqrt(np.where(keep, resid * resid, 0.0).sum(axis=1) / np.maximum(n_in - deg - 1, 1)) / 0.986
+    inlier_sd = np.sqrt(_rowdot(resid * keep, resid) / np.maximum(n_in - deg - 1, 1)) / 0.986
     sd = np.where(ok, np.maximum(sd, inlier_sd), sd)
     return coef, span, sd
 
@@ -167,13 +187,29 @@ at the default window of 100); measured 30% faster than 16384 rows per call."""
 
 
 def _fit_rows(view_s: np.ndarray, view_l: np.ndarray, at: np.ndarray):
-    """`batched_trend_fit` over many rows, in cache-sized pieces. (Threads were tried: numpy's many short calls here
-    hold the GIL between kernels, and two threads on two cores ran no faster than one.)"""
-    out = [
-        batched_trend_fit(view_s[a:b], view_l[a:b], at[a:b])
-        for a, b in zip(range(0, len(at), FIT_ROWS), range(FIT_ROWS, len(at) + FIT_ROWS, FIT_ROWS))
-    ]
+    """`batched_trend_fit` over many rows, in cache-sized pieces, the pieces shared by the cores (`_threads`)."""
+    bounds = list(zip(range(0, len(at), FIT_ROWS), range(FIT_ROWS, len(at) + FIT_ROWS, FIT_ROWS)))
+
+    def fit(piece: tuple[int, int]):
+        a, b = piece
+        return batched_trend_fit(view_s[a:b], view_l[a:b], at[a:b])
+
+    pool = _threads() if len(bounds) > 1 else None
+    out = list(pool.map(fit, bounds)) if pool is not None else [fit(p) for p in bounds]
     return tuple(np.concatenate(x) for x in zip(*out))
+
+
+_POOL: list = []
+
+
+def _threads():
+    """A thread per core for the fits (None on one core). Numpy releases the GIL inside each kernel: with BLAS held
+    to one thread (`spike_episodes` does), two threads fit 1.8x faster than one on two cores; with BLAS's own
+    threads also running, slower than one (measured, 400k windows)."""
+    if not _POOL:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        _POOL.append(ThreadPoolExecutor(min(cores, 8), "spike-replay") if cores > 1 else None)
+    return _POOL[0]
 
 
 class _Replay(SpikeDetector):
@@ -245,23 +281,37 @@ class _Replay(SpikeDetector):
         return i
 
 
+def _arrays(losses) -> tuple[np.ndarray, np.ndarray]:
+    """Arrays as given (integer steps, float32 losses: the replay widens them a table at a time, exactly), or the
+    pairs' values as float64."""
+    if isinstance(losses, tuple) and len(losses) == 2 and isinstance(losses[0], np.ndarray):
+        return losses
+    steps = np.fromiter((s for s, _ in losses), float, len(losses))
+    return steps, np.fromiter((v for _, v in losses), float, len(losses))
+
+
 def spike_episodes(
-    losses: list[tuple[int, float]], grace_at: list[int] | tuple = (), cfg: SpikesSection | None = None
+    losses, grace_at: list[int] | tuple = (), cfg: SpikesSection | None = None, start: int | None = None
 ) -> list[dict]:
-    """Replay the live rule over a logged per-step loss curve, with the run's own `spikes` section (`cfg`; None: the
-    defaults): each spike's onset, the step it was
-    detected, and the step the loss came back under its pre-spike trend (None: it never did).
+    """Replay the live rule over a per-step loss curve, with the run's own `spikes` section (`cfg`; None: the
+    defaults): each spike's onset, the step it was detected, and the step the loss came back under its pre-spike
+    trend (None: it never did).
 
     Args:
-        losses: (step, loss) with rising steps, as `health.load_run` gives them.
-        grace_at: steps where a grace period starts, as in training (the end of warmup, each stage start).
+        losses: (step, loss) pairs with rising steps, or a (steps, losses) pair of arrays.
+        grace_at: steps where a grace period starts and the trend is forgotten, as in training (each stage start).
+        start: the grace period the detector starts with (the live loop: the end of warmup); None: the first step.
     """
-    steps = np.fromiter((s for s, _ in losses), float, len(losses))
-    values = np.fromiter((v for _, v in losses), float, len(losses))
-    det, episodes, n = _Replay(steps, values, cfg or SpikesSection()), [], len(losses)
+    with threadpool_limits(limits=1, user_api="blas"):  # the fits run a thread per core (`_threads`)
+        return _episodes(*_arrays(losses), grace_at, cfg, start)
+
+
+def _episodes(steps: np.ndarray, values: np.ndarray, grace_at, cfg: SpikesSection | None, start: int | None):
+    n = len(steps)
+    det, episodes = _Replay(steps, values, cfg or SpikesSection()), []
     graces = sorted(grace_at)
     if n:
-        det.start_grace(int(steps[0]))
+        det.start_grace(int(steps[0]) if start is None else start)
     i = 0
     while i < n:
         limit = n if not graces else min(n, int(np.searchsorted(steps, graces[0])))
@@ -275,13 +325,16 @@ def spike_episodes(
         i += 1
         if d.kind != "spike":
             continue
-        bound = d.expected + det.threshold / 2 * d.noise if d.expected is not None else math.inf
+        bound, det.episode = det.episode, None  # the episode is followed here, in one search
         episodes.append({"onset": d.onset, "detected": step, "recovered": None, "bound": bound})
         # until the loss is back under the bound, the detector sees nothing (grace starts passed meanwhile apply)
-        back = np.flatnonzero(np.isfinite(values[i:]) & (values[i:] <= bound))
+        # (a non-finite step ends it as a spike of its own, judged by the detector)
+        back = np.flatnonzero(~np.isfinite(values[i:]) | (values[i:] <= np.float64(bound)))  # float32 widened
         if not len(back):
             break
         i += int(back[0])
+        if not np.isfinite(values[i]):
+            continue
         episodes[-1]["recovered"] = int(steps[i])
         while graces and steps[i] >= graces[0]:
             det.start_grace(graces.pop(0))
@@ -291,28 +344,78 @@ def spike_episodes(
 
 
 def spike_episodes_stepwise(
-    losses: list[tuple[int, float]], grace_at: list[int] | tuple = (), cfg: SpikesSection | None = None
+    losses, grace_at: list[int] | tuple = (), cfg: SpikesSection | None = None, start: int | None = None
 ) -> list[dict]:
-    """The same replay one step at a time through the plain detector: the reference the fast replay is tested
-    against (and the definition it must match)."""
-    det, episodes, open_ep = SpikeDetector.for_section(cfg or SpikesSection()), [], None
+    """The same replay one step at a time through the live detector itself (its episodes included): the reference
+    the fast replay is tested against, and the definition it must match."""
+    steps, values = _arrays(losses)
+    det, episodes = SpikeDetector.for_section(cfg or SpikesSection()), []
     graces = sorted(grace_at)
-    if losses:
-        det.start_grace(losses[0][0])
-    for step, loss in losses:
+    if len(steps):
+        det.start_grace(int(steps[0]) if start is None else start)
+    for step, loss in zip(steps.astype(int).tolist(), values.tolist()):
         while graces and step >= graces[0]:
             det.start_grace(graces.pop(0))
-        if open_ep is not None:
-            if math.isfinite(loss) and loss <= open_ep["bound"]:
-                open_ep["recovered"], open_ep = step, None
-                det.start_grace(step, forget=False)
-            continue
         d = det.update(step, loss)
         if d.kind == "spike":
-            bound = d.expected + det.threshold / 2 * d.noise if d.expected is not None else math.inf
-            open_ep = {"onset": d.onset, "detected": step, "recovered": None, "bound": bound}
-            episodes.append(open_ep)
+            episodes.append({"onset": d.onset, "detected": step, "recovered": None, "bound": det.episode})
+        elif d.reason == "recovered":
+            episodes[-1]["recovered"] = step
     return episodes
 
 
-__all__ = ["batched_trend_fit", "spike_episodes", "spike_episodes_stepwise"]
+def timeline(steps: np.ndarray, upto: int | None = None) -> np.ndarray:
+    """Indices of a lived record's timeline as of row `upto` (None: the end): for each step, its last record so far
+    (a step re-run after a rollback or a resume replaces the earlier one), in step order."""
+    steps = steps if upto is None else steps[: upto + 1]
+    n = len(steps)
+    if n < 2 or bool(np.all(steps[1:] > steps[:-1])):  # nothing re-run: the record is its own timeline
+        return np.arange(n)
+    order = np.lexsort((np.arange(n), steps))  # by step, then by write order
+    last = np.ones(n, bool)
+    last[:-1] = steps[order][1:] != steps[order][:-1]
+    return order[last]
+
+
+def lived_episodes(
+    steps: np.ndarray,
+    losses: np.ndarray,
+    epochs: np.ndarray,
+    grace_at: list[int] | tuple = (),
+    cfg: SpikesSection | None = None,
+    start: int | None = None,
+    final: np.ndarray | None = None,
+) -> list[dict]:
+    """The live rule replayed over what the run lived, in the order it lived it (`steprecord.Record`): the final
+    timeline, plus every stretch a rollback or a resume later replaced, each judged from the detector state the live
+    loop had there (that of the timeline as it stood then). Each episode gains `epoch`; ordered as lived.
+
+    A stretch's state is the timeline's as of its block, so each replaced stretch costs one replay of the timeline
+    up to it: O(steps x (1 + replaced stretches)) (rollbacks and crashes, a handful in a healthy run)."""
+    n = len(steps)
+    if not n:
+        return []
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(epochs)) + 1])  # blocks: rows of one epoch, as written
+    ends = np.concatenate([starts[1:], [n]]) - 1
+    found: list[tuple[int, dict]] = []
+    final = timeline(steps) if final is None else final  # (`final`: the timeline, when the caller has it)
+
+    def replay(rows: np.ndarray) -> list[tuple[int, dict]]:
+        whole = len(rows) == n and rows[-1] == n - 1  # the whole record in order: no copies
+        on = steps if whole else steps[rows]  # rising
+        eps = spike_episodes((on, losses if whole else losses[rows]), grace_at, cfg, start)
+        where = rows[np.searchsorted(on, [e["detected"] for e in eps])] if eps else []
+        return [(int(r), {**e, "epoch": int(epochs[r])}) for r, e in zip(where, eps)]
+
+    found += replay(final)
+    in_final = np.zeros(n, bool)
+    in_final[final] = True
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        if in_final[a : b + 1].all():
+            continue
+        gone = {int(r) for r in np.flatnonzero(~in_final[a : b + 1]) + a}
+        found += [(r, e) for r, e in replay(timeline(steps, b)) if r in gone]
+    return [e for _, e in sorted(found, key=lambda x: x[0])]
+
+
+__all__ = ["batched_trend_fit", "lived_episodes", "spike_episodes", "spike_episodes_stepwise", "timeline"]

@@ -12,6 +12,13 @@ plateau and after a stage change. No judgement during a grace period after warmu
 level shifts when seq_len, RoPE or the mixture change; the trend is re-estimated from the new stage's steps only).
 Suspect losses enter the window only once the run of suspects ends without a spike, so a spike cannot raise its own
 baseline and ordinary noise is not censored.
+
+After a spike the detector judges nothing until the loss is back under its pre-spike trend plus threshold / 2 sd
+(an *episode*; a non-finite spike ends at the next finite step, and a non-finite step is always a spike of its own,
+episode or not), then starts a grace period without forgetting the
+trend. One excursion is one spike. A rollback restores the detector from the checkpoint, which ends the episode; a
+spike the loop does not roll back for (absorbed by skip-step, or recurred on an exact replay) runs its course.
+`check_run.py`'s replay (spike_replay.py) follows the same rule over the recorded steps.
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ class SpikeDetector:
         self.history: deque[tuple[int, float]] = deque(maxlen=window)
         self.grace_until = 0
         self.run: list[tuple[int, float, float]] = []  # (step, loss, z) of the current run of suspect steps
+        self.episode: float | None = None
+        """After a spike: the bound the loss must come back under before judging resumes (inf: any finite loss)."""
 
     def start_grace(self, step: int, forget: bool = True) -> None:
         """After warmup or a stage start: judge nothing for `grace_steps`; optionally forget the old trend."""
@@ -123,8 +132,15 @@ class SpikeDetector:
         self.history.append((step, loss))
 
     def update(self, step: int, loss: float, grad_norm: float | None = None) -> Verdict:
-        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
-            self.run = []
+        finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+        if self.episode is not None and finite:  # a non-finite step is a spike of its own, always
+            if loss <= self.episode:
+                self.episode = None
+                self.start_grace(step, forget=False)
+                return Verdict("ok", reason="recovered")
+            return Verdict("ok", reason="in a spike episode")
+        if not finite:
+            self.run, self.episode = [], math.inf
             what = "loss" if not math.isfinite(loss) else "grad_norm"
             return Verdict("spike", step, f"non-finite {what}", math.inf)
         if step < self.grace_until or len(self.history) < self.min_history:
@@ -141,6 +157,7 @@ class SpikeDetector:
         mean_z = statistics.fmean(min(x[2], self.cap) for x in self.run)
         if mean_z > self.threshold:
             onset, self.run = self.run[0][0], []
+            self.episode = pred + self.threshold / 2 * scale
             reason = f"loss {mean_z:.1f} noise sd above its trend ({pred:.4g} +- {scale:.2g})"
             return Verdict("spike", onset, reason, mean_z, pred, scale)
         s, v, _ = self.run.pop(0)  # a long, mild rise is no spike: the oldest suspect joins the trend
@@ -152,6 +169,7 @@ class SpikeDetector:
             "history": [list(x) for x in self.history],
             "grace_until": self.grace_until,
             "run": [list(x) for x in self.run],
+            "episode": None if self.episode is None else repr(self.episode),  # a string: inf survives any JSON
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -161,6 +179,7 @@ class SpikeDetector:
         self.history = deque(((int(s), float(v)) for s, v in hist), maxlen=self.window)
         self.grace_until = int(state["grace_until"])
         self.run = [tuple(x) for x in state["run"] if isinstance(x, list | tuple)]
+        self.episode = None if state.get("episode") is None else float(state["episode"])
 
 
 def sample_ranges(indices: list[int], margin: int) -> list[tuple[int, int]]:

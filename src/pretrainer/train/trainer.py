@@ -24,6 +24,7 @@ from ..observe.console import announce, end_block, start_block
 from ..observe.health import HealthMonitor
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
 from ..observe.outlook import Forecaster
+from ..observe.steprecord import StepRecorder
 from ..observe.tracking import RunLog, alert, quiet_known_noise
 from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
@@ -158,6 +159,7 @@ class Trainer:
             skip=self.skip,
             hooks=self._step_hooks(),
         )
+        self.record = StepRecorder(self.output_dir, acc.is_main_process)
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
             self.log.observers.append(self.health)
@@ -250,6 +252,7 @@ class Trainer:
         finally:  # however the loop ends, the bar ends its line: an `error:` after it starts a line of its own
             if self.bar is not None:
                 self.bar.close()
+            self.record.close()  # the steps judged since the last write (a crash loses only the unflushed ones)
         self.ckpt.finish()
 
     def _start(self) -> None:
@@ -334,6 +337,8 @@ class Trainer:
         st.step += 1
         st.tokens += span.tokens_per_step
         self.window.add(st.step, outcome.loss, span.tokens_per_step)
+        observed = outcome.observed
+        self.record.observe(st.step, self._epoch(), observed, outcome.applied, span.index, st.tokens)
         if outcome.skipped is not None:  # tier 1: the update was held back, the step's tokens are lost
             self.skip.lost(st.step, outcome.observed, outcome.skipped, span.tokens_per_step, self.log)
         kill_point(f"step:{st.step}")
@@ -356,6 +361,9 @@ class Trainer:
         if isinstance(decision, Abort):
             raise SpikeAbort(decision.message, decision.exit_code)
         st, acc = self.state, self.accelerator
+        steps, losses = self.window.flush(acc)  # the rolled-back steps stay in the record, under this epoch
+        self.record.losses(steps, losses)
+        self.record.flush()
         restored = self.ckpt.load(decision.target)
         tokens_before = st.tokens
         st.rewind(restored.meta)
@@ -445,7 +453,12 @@ class Trainer:
             "recipe": self.recipe_plain,
         }
         self.ckpt.save(meta, protected=self.spikes.protected() if self.spikes else NOTHING)
+        self.record.flush()
         self.save_clock.mark()
+
+    def _epoch(self) -> int:
+        """The record's epoch: the rollbacks and resumes so far (each one restarts the timeline from a checkpoint)."""
+        return self.log.counts[ev.ROLLBACK] + self.log.counts[ev.RESUME]
 
     def _log_train(self, outcome: StepOutcome) -> dict:
         """One metrics line (one host sync for all of the window's losses): loss, LR, grad norm, throughput, MFU,
@@ -476,6 +489,7 @@ class Trainer:
         extra, layer_vectors = self.runner.take_metrics(st.step)
         record.update(extra)
         self.log.metrics(st.step, record)
+        self.record.losses(steps, losses, record)
         if layer_vectors is not None:
             self.log.side("layers.jsonl", {"step": st.step, **layer_vectors})
         return record
