@@ -1,5 +1,6 @@
 """Every fenced shell command in README.md and docs/*.md names things that exist and flags its script accepts: make
-targets of the Makefile, scripts under scripts/ whose own argument parser takes the command's arguments, Accelerate
+targets of the Makefile, scripts under scripts/ whose own argument parser takes the command's arguments (a Slurm job
+script's arguments are run_recipe.py's), Accelerate
 configs and recipes that are files, and checkpoints of `runs/tiny` that `make run` leaves (the tiny recipe's saves:
 stage ends and token triggers, its `keep_last`). None is skipped silently: each command is one of those kinds or
 the test fails on it. Commands are checked, not run (the runs they start take minutes to days)."""
@@ -69,6 +70,10 @@ def check(command: str, tiny: set[str], targets: set[str]) -> str:
     if words[0] == "make":
         assert set(words[1:]) <= targets, f"no Makefile target {set(words[1:]) - targets}"
         return "make"
+    if words[0] == "sbatch":  # a job script of ours: RECIPE [run_recipe.py args] after it
+        i = next(k for k, w in enumerate(words) if w.endswith(".sbatch"))
+        assert (ROOT / words[i]).exists(), f"{words[i]} does not exist"
+        words = ["python", "scripts/run_recipe.py", *words[i + 1 :]]
     found = script_args(words)
     if found is None:
         raise AssertionError("not a make target or a script of this repository: extend check() for it")

@@ -551,15 +551,22 @@ def test_preemption_exit_code_survives_accelerate_launch(tmp_path, cache_dir):
     cmd += ["--output-dir", str(out), "--set", f"data.cache_dir={cache_dir}", "--set", "stages.0.steps=2000"]
     cmd += ["--set", "precision.mixed=no", "--set", "eval.every_steps=0"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not any(m.get("step", 0) >= 10 for m in read_jsonl(out / "metrics.jsonl")):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # as Slurm or `timeout` signal a job step: every process of the group
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 75, err[-3000:]
     saved = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "checkpoint"]
     assert saved and saved[-1]["reason"] == "preempt"
+    # one line from the first rank; no traceback from accelerate or torch elastic
+    assert [x for x in err.splitlines() if "preempted" in x] == [
+        f"preempted at step {saved[-1]['step']}: checkpoint saved; requeue or run again with --resume auto"
+    ]
+    assert "Traceback" not in err and "CalledProcessError" not in err and "ChildFailedError" not in err
 
 
 def test_a_resume_on_changed_data_is_refused_unless_allowed(tmp_path, capsys):

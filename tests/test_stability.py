@@ -3,6 +3,7 @@ syncs the step costs."""
 
 import contextlib
 import math
+import re
 
 import pytest
 import torch
@@ -143,6 +144,15 @@ def test_gradient_fault_is_absorbed_in_place_with_the_defaults(tmp_path, cache_d
     rows = read_jsonl(out / "layers.jsonl")
     assert [r["step"] for r in rows] == list(range(5, 81, 5)) and len(rows[0]["grad_norm"]) == 2
     assert 4.0 < step_losses(out)[80] < 5.5  # the cross-entropy, not the z term, is what `loss` reports
+    # output to a file (not a terminal): a timestamped line per logging step and per eval, no carriage return
+    ts = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d "
+    steps = re.findall(
+        ts + r"step (\d+)/80 loss [\d.]+ lr [\d.e+-]+ tok/s [\d,]+ eta \d+:\d\d:\d\d$", proc.stdout, re.M
+    )
+    assert [int(s) for s in steps] == list(range(5, 81, 5))
+    evals = re.findall(ts + r"eval at step (\d+): val/ref [\d.]+, ", proc.stdout, re.M)
+    assert [int(s) for s in evals] == [0, 40, 80]
+    assert "\r" not in proc.stdout and "\r" not in proc.stderr
 
 
 @pytest.mark.slow  # a variation: today's rollback is covered by test_spikes

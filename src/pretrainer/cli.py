@@ -54,10 +54,11 @@ def run_main(fn: Callable[[], int], debug: bool = False, json_out: bool = False)
     except PretrainerError as e:
         if debug:
             raise
-        first, *rest = str(e).splitlines() or [""]
-        print(f"error: {first}", file=sys.stderr)
-        for line in rest:  # a list of differences, one per line
-            print(line, file=sys.stderr)
+        if e.every_rank or os.environ.get("RANK", "0") == "0":
+            first, *rest = str(e).splitlines() or [""]
+            print(f"{e.label}: {first}" if e.label else first, file=sys.stderr)
+            for line in rest:  # a list of differences, one per line
+                print(line, file=sys.stderr)
         return e.exit_code
 
 

@@ -5,6 +5,10 @@ class PretrainerError(Exception):
     """A problem with the user's input (recipe, data, paths); scripts print it and exit 2."""
 
     exit_code = 2
+    label = "error"
+    """What the line starts with (`error: ...`); empty for an outcome that is no error."""
+    every_rank = True
+    """False: only the first rank prints it (an outcome all ranks share)."""
 
 
 class RecipeError(PretrainerError):

@@ -1,11 +1,16 @@
-"""What the main process prints at the start and the end of a run: the story in a few lines."""
+"""What the main process prints: the story at the start and the end of a run, and its progress in between (a bar
+on a terminal, timestamped lines in a file)."""
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from ..checkpoint import list_checkpoints
 from ..recipe.loading import dump_recipe
@@ -69,3 +74,75 @@ def end_block(
 
 def _offline() -> bool:
     return os.environ.get("WANDB_MODE") in ("offline", "disabled")
+
+
+class Progress:
+    """The run's progress, printed by the global main process only (one voice on any number of nodes).
+
+    On a terminal: tqdm's bar (on stderr), its postfix updated at logging steps, an eval's results as a line above it.
+    Anywhere else (a Slurm log, `make run > log.txt`): no bar and no carriage return; one timestamped line per
+    logging step (step/total, loss, LR, tokens/s, ETA) and one per eval (its validation losses) on stdout, and the
+    libraries' own progress bars (transformers, datasets, the hub) are switched off."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, stream=None):
+        self.total, self.enabled = total, enabled
+        self.stream = stream or sys.stdout
+        self.lines = enabled and not _isatty(self.stream)
+        self.bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines, desc="train")
+
+    def step(self, n: int) -> None:
+        """The run is at step `n` (after a step, or back after a rollback): the bar redraws at most 10 times a
+        second."""
+        self.bar.update(n - self.bar.n)
+
+    def logged(self, step: int, record: dict[str, Any], lr: float) -> None:
+        loss, tps = record.get("loss", math.nan), record.get("tokens_per_s", math.nan)
+        if not self.lines:
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", refresh=False)
+            return
+        eta = _eta((self.total - step) * record.get("step_time_s", math.nan))
+        self._line(f"step {step:,}/{self.total:,} loss {loss:.4f} lr {lr:.2e} tok/s {tps:,.0f} eta {eta}")
+
+    def evaluated(self, step: int, values: dict[str, Any]) -> None:
+        keys = [k for k in values if k.startswith("val/") and not k.endswith("_se")]
+        first = {"val/ref": 0, "val/avg": 1}  # the run-long comparable loss first, then the mixture's, the sources
+        shown = [f"{k} {values[k]:.4f}" for k in sorted(keys, key=lambda k: first.get(k, 2))]
+        if self.enabled and shown:
+            self._line(f"eval at step {step:,}: " + ", ".join(shown))
+
+    def _line(self, text: str) -> None:
+        line = f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S} {text}"
+        if self.lines:
+            print(line, file=self.stream, flush=True)
+        else:
+            self.bar.write(line, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _eta(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def quiet_bars_in_files() -> None:
+    """Outside a terminal, the progress bars of the libraries we call (preparing data, saving shards) are off: they
+    write carriage returns too. Called before the data is prepared."""
+    if _isatty(sys.stdout):
+        return
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()

@@ -1,7 +1,9 @@
 """`accelerate launch` with the ranks' exit codes: a job script that requeues on 75 (preempted, checkpoint saved)
 sees 75, not the 1 that torch elastic reports for any rank that exited non-zero.
 
-Each rank of `run_recipe.py` writes its exit code to `$PRETRAINER_EXIT_DIR/rank_<RANK>` (`record_exit`); the
+The launcher runs `accelerate launch` in a process of its own (`accelerate_launch`), which leaves out accelerate's
+and torch elastic's tracebacks for a rank's non-zero exit (the rank printed its one line). Each rank of
+`run_recipe.py` writes its exit code to `$PRETRAINER_EXIT_DIR/rank_<RANK>` (`record_exit`); the
 launcher's own code stands only when no rank said anything (a rank killed outright, a launcher error). A SIGTERM or
 SIGINT sent to this wrapper goes to the ranks themselves, not to `accelerate launch`: the elastic agent would
 SIGKILL them 30 seconds after forwarding a signal, which a large checkpoint may not survive, while the ranks,
@@ -48,7 +50,7 @@ def launch(args: list[str]) -> int:
     """Run `accelerate launch ARGS`, forward SIGTERM/SIGINT to the ranks, return the combined exit code."""
     with tempfile.TemporaryDirectory(prefix="pretrainer-exit-") as exits:
         env = {**os.environ, EXIT_DIR: exits}
-        proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", *args], env=env)
+        proc = subprocess.Popen([sys.executable, "-m", "pretrainer.train.launcher", *args], env=env)
 
         def forward(signum, frame) -> None:
             try:
@@ -69,3 +71,34 @@ def launch(args: list[str]) -> int:
                 signal.signal(s, handler)
         codes = [int(f.read_text()) for f in sorted(Path(exits).glob("rank_*")) if f.read_text().strip()]
     return combined(rc, codes)
+
+
+def accelerate_launch(argv: list[str]) -> int:
+    """`accelerate launch ARGV` in this process, without its own failure report: a rank that exits non-zero already
+    said why in one line (a preemption: `preempted at step N ...`), and the wrapper returns the ranks' exit code;
+    accelerate's `CalledProcessError` traceback (one process, DeepSpeed) or torch elastic's `ChildFailedError`
+    (several) would only repeat it as a traceback. Run by `launch` as `python -m pretrainer.train.launcher`."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    # A signal to the whole process group (Slurm, `timeout`, Ctrl-C) reaches the ranks, which save and exit 75:
+    # this process waits for them instead of dying first (a handler, not SIG_IGN, which the ranks would inherit).
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda signum, frame: None)
+    args = launch_command_parser().parse_args(argv)
+    # torch elastic's agent (several processes) would catch them itself, raise, and kill the ranks 30 s after
+    # forwarding: torchrun's `--signals-to-handle` (default SIGTERM,SIGINT,SIGHUP,SIGQUIT) leaves them to the ranks;
+    # accelerate passes every argument whose name torchrun knows on to it.
+    args.signals_to_handle = "SIGHUP,SIGQUIT"
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as e:
+        return e.returncode
+    except Exception as e:
+        if type(e).__name__ != "ChildFailedError":  # torch.distributed.elastic's, without importing it here
+            raise
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(accelerate_launch(sys.argv[1:]))

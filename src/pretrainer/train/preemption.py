@@ -13,7 +13,11 @@ PREEMPTED_EXIT = 75  # EX_TEMPFAIL
 
 
 class Preempted(PretrainerError):
+    """The normal end of a preempted launch: one plain line from the first rank, exit 75, no traceback."""
+
     exit_code = PREEMPTED_EXIT
+    label = ""
+    every_rank = False
 
 
 class PreemptFlag:

@@ -9,7 +9,6 @@ from functools import partial
 from pathlib import Path
 
 from accelerate.utils import DistributedType
-from tqdm.auto import tqdm
 
 from ..checkpoint import NOTHING, CheckpointManager, Restored
 from ..checkpoint.export import save_final
@@ -20,7 +19,7 @@ from ..faults import kill_point
 from ..model.build import flops_per_token
 from ..model.masking import model_inputs
 from ..observe import events as ev
-from ..observe.console import announce, end_block, start_block
+from ..observe.console import Progress, announce, end_block, quiet_bars_in_files, start_block
 from ..observe.health import HealthMonitor
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
 from ..observe.outlook import Forecaster
@@ -86,6 +85,7 @@ class Trainer:
         self.grad_accum = self.plan.grad_accum(int(os.environ.get("WORLD_SIZE", "1")))
         self.accelerator = acc = make_accelerator(recipe, self.output_dir, self.grad_accum)
         quiet_known_noise()
+        quiet_bars_in_files()
         with acc.main_process_first(), preparation_lock(recipe.data.cache_dir, acc.is_main_process):
             self.tokenizer = get_tokenizer(recipe)
             self.sources = load_sources(recipe, self.tokenizer)
@@ -177,7 +177,7 @@ class Trainer:
         self.span = None
         self.batcher = None
         self.last = {}
-        self.bar = None
+        self.progress: Progress | None = None
 
     def _step_hooks(self) -> list[StepHook]:
         """The optional work around each step that the recipe turned on, in the order the step calls it."""
@@ -250,8 +250,8 @@ class Trainer:
                 else:
                     self._act(decision)
         finally:  # however the loop ends, the bar ends its line: an `error:` after it starts a line of its own
-            if self.bar is not None:
-                self.bar.close()
+            if self.progress is not None:
+                self.progress.close()
             self.record.close()  # the steps judged since the last write (a crash loses only the unflushed ones)
         self.ckpt.finish()
 
@@ -276,16 +276,17 @@ class Trainer:
             )
             if self.findings:
                 self.log.event(ev.LINT, 0, findings=[f.to_dict() for f in self.findings])
-        self.bar = tqdm(
-            total=self.total_steps, initial=self.state.step, disable=not acc.is_local_main_process, desc="train"
-        )
+        self.progress = Progress(self.total_steps, self.state.step, enabled=acc.is_main_process)
         if recipe.eval.every_steps and restored is None:
             # The baseline at initialisation: every later validation loss is read against it.
             first = self.spans[0]
             vals = self.evals.baseline(first)
             self.log.metrics(0, {"tokens": 0, "stage": first.name, **vals})
+            self.progress.evaluated(0, vals)
         if self.preempt.check(acc, log_step=True):  # stopped before training began: the last checkpoint stands
-            raise Preempted("preempted before the first step; nothing new to save; continue with --resume auto")
+            raise Preempted(
+                "preempted before the first step: nothing new to save; requeue or run again with --resume auto"
+            )
         self.window = StepWindow()
         if self.spikes and restored is None:
             self.spikes.start_grace(recipe.schedule.warmup_steps)
@@ -385,8 +386,7 @@ class Trainer:
             write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
         self.span = None  # re-enter the stage the restored step is in
-        self.bar.n = st.step
-        self.bar.refresh()
+        self.progress.step(st.step)
 
     def _resume(self) -> Restored | None:
         """`--resume`: choose the checkpoint (resume policy), load it, hand its meta to the run state and the parts,
@@ -418,26 +418,26 @@ class Trainer:
     def _periodic(self, outcome: StepOutcome) -> None:
         """After a step: log, evaluate, checkpoint, and stop cleanly on preemption."""
         st, span, acc = self.state, self.span, self.accelerator
-        self.bar.update(1)
+        self.progress.step(st.step)
         log_now = st.step % self.recipe.logging.every_steps == 0 or st.step == self.total_steps
         reason = self.save_clock.due(self.tokens_before, st.tokens, st.step == span.end_step, log_now)
         if self.preempt.check(acc, log_now):
             reason = "preempt"
         if log_now or reason:
             self.last = self._log_train(outcome)
-            self.bar.set_postfix(
-                loss=f"{self.last['loss']:.3f}", lr=f"{self.lr:.2e}", tok_s=f"{self.last['tokens_per_s']:.0f}"
-            )
+            self.progress.logged(st.step, self.last, self.lr)
         now, context = eval_due(self.recipe, st.step, span)
         if now:  # held-out losses, merged weights, downstream, forecast, verdict
-            self.last.update(self.evals(st.step, st.tokens, span, context))
+            vals = self.evals(st.step, st.tokens, span, context)
+            self.last.update(vals)
+            self.progress.evaluated(st.step, vals)
             self.window.reset_clock()  # eval time is not training throughput
         if reason or st.step == self.total_steps:
             self.save_checkpoint(reason or "end")
             self.window.reset_clock()
         if reason == "preempt":
             self.ckpt.finish()
-            raise Preempted(f"preempted at step {st.step}: checkpoint saved; continue with --resume auto")
+            raise Preempted(f"preempted at step {st.step}: checkpoint saved; requeue or run again with --resume auto")
 
     def save_checkpoint(self, reason: str) -> None:
         """A checkpoint of everything exact resume needs: the run state at the top of meta.json, each part under its
