@@ -12,6 +12,10 @@ schedules, each with checkpoints every 50 steps and an eval every 50. Incidents,
 600-step run: poisoned samples (random tokens) in 3 steps, a one-step gradient fault (x1000), a NaN loss, Adam's
 moments corrupted (x1e4).
 
+Loss bumps of 0.5 and 1 nat and of 5 and 8 sd of the run's own noise, lasting 1, 3, 5 and 10 steps, are added, one at a time, to the healthy runs'
+recorded per-step losses (their real noise) at 8 places each, and the spike rule replayed (equal to the live rule,
+which the corpus checks): recall, delay and recovery by size.
+
 What is counted, from each run's own events.jsonl (what the live loop did, nothing recomputed): `skipped_update`,
 `spike`, `rollback`, `skip` (data skipped for good), `recurred`, `absorbed`, `off_track`, and the `health` verdict
 at every eval after warmup (anything but `healthy` on a healthy run is a false alarm); and check_run.py's replay of
@@ -24,6 +28,8 @@ import json
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from pretrainer.cli import run_main, script_parser
 from pretrainer.observe import events as ev
@@ -75,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", type=Path, help="data.cache_dir for every run (default: inside the work dir)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
+    p.add_argument(
+        "--noise-models", action="store_true", help="only the rule's false alarms on 1M-step synthetic curves"
+    )
     return p.parse_args(argv)
 
 
@@ -135,10 +144,96 @@ def incident_outcome(kind: str, j: dict) -> dict:
     return out
 
 
+BUMPS = ("0.5 nat", "1 nat", "5 sd", "8 sd")
+"""Loss bumps added to the healthy runs' recorded per-step losses: in nats, or in the run's own noise there (the
+robust sd around the trend of the 100 steps before, as the rule measures it)."""
+BUMP_STEPS = (1, 3, 5, 10)
+POSITIONS = 8
+
+
+def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
+    """Recall and delay of the spike rule (the live rule: the replay equals it) on the healthy runs' own noise: each
+    run's recorded per-step losses with a bump of each size and length added at `positions` places (one at a time,
+    after warmup, the grace and a full window), replayed with the run's own rule. Found: an episode detected from the
+    bump on whose onset lies within it (or up to `persistence` - 1 steps before: a suspect step of noise); delay: the detection step after the bump's first step; recovered: the loss came back under the
+    pre-spike trend."""
+    from pretrainer.observe.health import grace_starts, load_run, spike_rule, warmup_of
+    from pretrainer.train.spike_replay import spike_episodes
+    from pretrainer.train.spikes import trend_fit
+
+    out: dict[str, dict] = {}
+    for size in BUMPS:
+        for length in BUMP_STEPS:
+            found = delays = recovered = placed = 0
+            worst = 0
+            for d in run_dirs:
+                run = load_run(d)
+                steps, loss = run["losses"].steps, run["losses"].values.astype(np.float32)
+                cfg, graces, warmup = spike_rule(run), grace_starts(run), warmup_of(run)
+                first, last = warmup + cfg.grace_steps + cfg.window, len(steps) - length - 20
+                for at in np.linspace(first, last, positions).astype(int).tolist():
+                    value, unit = size.split()
+                    if unit == "sd":
+                        window = slice(at - cfg.window, at)
+                        _, sd = trend_fit(steps[window].astype(float), loss[window].astype(float), float(steps[at]))
+                    bumped = loss.copy()
+                    bumped[at : at + length] += np.float32(float(value) * (sd if unit == "sd" else 1.0))
+                    eps = spike_episodes((steps, bumped), graces, cfg, warmup)
+                    onset = int(steps[at])
+                    # the spike is dated from its first suspect step, which noise can put just before the bump
+                    early = onset - cfg.persistence + 1
+                    hit = [e for e in eps if early <= e["onset"] < onset + length and e["detected"] >= onset]
+                    placed += 1
+                    if hit:
+                        found += 1
+                        delays += hit[0]["detected"] - onset
+                        worst = max(worst, hit[0]["detected"] - onset)
+                        recovered += hit[0]["recovered"] is not None
+            out[f"{size} x {length}"] = {
+                "placed": placed,
+                "found": found,
+                "recovered": recovered,
+                "mean_delay": round(delays / found, 2) if found else None,
+                "max_delay": worst if found else None,
+            }
+    return out
+
+
+NOISE_MODELS = ("gaussian", "t5", "t3", "ar0.2", "ar0.4", "ar0.6")
+
+
+def noise_model_false_alarms(steps: int = 1_000_000, seed: int = 0) -> dict[str, float]:
+    """Spikes the rule (its defaults) finds per 100k steps of synthetic healthy curves, 3 + 3/sqrt(step) plus noise
+    of sd 0.02 with heavier tails (Student-t, 5 and 3 degrees of freedom, scaled to unit variance) or autocorrelation
+    (AR(1) with Gaussian innovations): the rate the rule promises when a run's loss is not Gaussian."""
+    from scipy.signal import lfilter
+
+    from pretrainer.train.spike_replay import spike_episodes
+
+    out = {}
+    for kind in NOISE_MODELS:
+        rng = np.random.default_rng(seed)
+        if kind == "gaussian":
+            e = rng.standard_normal(steps)
+        elif kind.startswith("t"):
+            dof = int(kind[1:])
+            e = rng.standard_t(dof, steps) / np.sqrt(dof / (dof - 2))
+        else:
+            rho = float(kind[2:])
+            e = lfilter([1.0], [1.0, -rho], rng.standard_normal(steps)) * np.sqrt(1 - rho * rho)
+        s = np.arange(1, steps + 1)
+        loss = (3 + 3 / np.sqrt(s) + 0.02 * e).astype(np.float32)
+        out[kind] = round(len(spike_episodes((s, loss), [], None, start=20)) * 1e5 / steps, 2)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
 
     def body() -> int:
+        if args.noise_models:
+            print(json.dumps(noise_model_false_alarms()))
+            return 0
         with tempfile.TemporaryDirectory(prefix="judgement-") as tmp:
             work = args.work_dir or Path(tmp)
             cache = args.cache_dir or work / "cache"
@@ -147,8 +242,10 @@ def main(argv=None) -> int:
             steps = 300 if args.quick else args.steps
             rows, total = [], {k: 0 for k in (*COUNTED, "verdict not healthy", "replayed spike")}
             healthy_steps = evals = 0
+            dirs = []
             for name, sets in healthy.items():
                 out = work / name.replace(" ", "_")
+                dirs.append(out)
                 rc, seconds = run(out, cache, steps, sets)
                 j = judged(out)
                 rows.append({"run": name, "kind": "healthy", "rc": rc, "seconds": round(seconds, 1), **j})
@@ -156,6 +253,7 @@ def main(argv=None) -> int:
                 evals += j["evals"]
                 for k, v in j["counts"].items():
                     total[k] += v
+            bumps = bump_recall(dirs, positions=2 if args.quick else POSITIONS)
             for name, (sets, kind) in incidents.items():
                 out = work / name.replace(" ", "_")
                 rc, seconds = run(out, cache, INCIDENT_STEPS if not args.quick else 360, sets)
@@ -176,6 +274,7 @@ def main(argv=None) -> int:
             "healthy_evals": evals,
             "false_alarms": total,
             "per_100k_steps": rate,
+            "bumps": bumps,
             "runs": rows,
         }
         if args.out:
@@ -199,6 +298,15 @@ def table(r: dict) -> str:
     ]
     for k, v in r["false_alarms"].items():
         lines.append(f"| {k} | {v} | {r['per_100k_steps'][k]} |")
+    lines += [
+        "",
+        "| loss bump on the healthy runs' noise | placed | found | recovered | mean delay | max delay |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k, b in r["bumps"].items():
+        lines.append(
+            f"| {k} | {b['placed']} | {b['found']} | {b['recovered']} | {b['mean_delay']} | {b['max_delay']} |"
+        )
     lines += [
         "",
         "| incident | rc | detected by | delay (steps) | rollbacks | data skipped | tokens lost |",

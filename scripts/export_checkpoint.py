@@ -2,7 +2,11 @@
 
 python scripts/export_checkpoint.py runs/tiny/checkpoints/step_00000150 exported/tiny-150
 python scripts/export_checkpoint.py runs/tiny/checkpoints/step_00000150 exported/tiny-150-merged --merged
+python scripts/export_checkpoint.py runs/tiny/checkpoints/step_00000220 exported/tiny --push-to-hub me/tiny-220
 python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exported/tiny-150')"
+
+--push-to-hub writes a model card from the run (recipe, tokens, final val/ref, lm-eval scores, incidents) into OUT
+and uploads OUT through huggingface_hub (private unless --public; the token: HF_TOKEN or `huggingface-cli login`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--merged", action="store_true", help="the averaged weights (recipe `averaging`), not the live ones"
     )
+    p.add_argument("--push-to-hub", metavar="REPO", help="then upload OUT, with a model card, to this Hub repo")
+    p.add_argument("--public", action="store_true", help="with --push-to-hub: a public repo (default: private)")
     return p.parse_args(argv)
 
 
@@ -29,7 +35,12 @@ def main(argv=None) -> int:
     def run() -> int:
         from pretrainer.checkpoint.export import export_checkpoint
 
-        print(export_checkpoint(args.checkpoint, args.out, args.dtype, args.merged))
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merged)
+        print(out)
+        if args.push_to_hub:
+            from pretrainer.checkpoint.publish import push_to_hub
+
+            print(push_to_hub(out, args.push_to_hub, private=not args.public))
         return 0
 
     return run_main(run, debug=args.debug)

@@ -230,3 +230,40 @@ def test_a_gathered_bf16_state_makes_a_bf16_copy():
     ids = torch.arange(16)[None]
     ref = model(ids).logits
     assert (copy(ids).logits.float() - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(tiny_run, tmp_path, monkeypatch, capsys):
+    """Offline: huggingface_hub's own HfApi, its two network calls intercepted; the card and the files checked."""
+    from pathlib import Path
+
+    import export_checkpoint
+    from huggingface_hub import HfApi, ModelCard
+
+    from pretrainer.observe.health import load_run
+
+    calls = []
+
+    def create_repo(self, repo_id, **kw):
+        calls.append(("create_repo", repo_id, kw))
+
+    def upload_folder(self, *, folder_path, repo_id, **kw):
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        calls.append(("upload_folder", repo_id, files))
+        return type("Info", (), {"commit_url": f"https://hf.co/{repo_id}/commit/abc"})()
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    ckpt = sorted((tiny_run / "checkpoints").glob("step_*"))[-1]
+    out = tmp_path / "export"
+    assert export_checkpoint.main([str(ckpt), str(out), "--push-to-hub", "me/tiny"]) == 0
+    assert capsys.readouterr().out.strip().endswith("https://hf.co/me/tiny/commit/abc")
+    (create,), (upload,) = [c for c in calls if c[0] == "create_repo"], [c for c in calls if c[0] == "upload_folder"]
+    assert create[1] == "me/tiny" and create[2]["private"] is True
+    assert {"README.md", "config.json", "model.safetensors", "provenance.json", "tokenizer.json"} <= set(upload[2])
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and "pretrainer" in card.data.tags
+    val = [m["val/ref"] for m in load_run(tiny_run)["evals"] if "val/ref" in m][-1]
+    text = card.text
+    assert f"`val/ref` (held-out loss on the run's fixed validation batches) at step 220: {val:.4f}" in text
+    assert "| main | 0 | 256 |" in text and "| anneal |" in text  # the recipe's stages, from the run
+    assert "- lm-eval `heldout_python_bpb/bits_per_byte`: " in text and "0 loss spike(s), 0 rollback(s)" in text

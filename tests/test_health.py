@@ -57,6 +57,13 @@ def test_overfitting():
     # the same rise on an eval set whose own spread makes 0.4 nat two standard errors: noise, not overfitting
     assert verdict(losses, val, [], True, 0, val_se={s: 0.14 for s, _ in val})[0] == "healthy"
     assert verdict(losses, val, [], True, 0, val_se={s: 0.02 for s, _ in val})[0] == "overfitting"
+    # evals that jump about (the weights move between them: a high LR, a small batch) against the lowest of them,
+    # the judgement corpus's 512-token run at step 3,550: healthy; the same level rising over three evals is not
+    jumpy = [3.862, 3.864, 3.771, 3.759, 3.600, 3.791, 3.766, 3.871, 3.664, 3.678, 3.739, 3.942]
+    jumpy = list(zip(range(100, 1300, 100), jumpy))
+    assert verdict(losses, jumpy, [], True, 0, val_se={s: 0.045 for s, _ in jumpy})[0] == "healthy"
+    rise = [(100 * k, 3.6 + 0.01 * (-1) ** k) for k in range(1, 10)] + [(1000, 3.7), (1100, 3.8), (1200, 3.9)]
+    assert verdict(losses, rise, [], True, 0, val_se={s: 0.02 for s, _ in rise})[0] == "overfitting"
 
 
 def test_stalled():

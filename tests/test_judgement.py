@@ -18,6 +18,9 @@ def test_quick_corpus_healthy_runs_raise_nothing_poison_is_blamed_and_the_replay
     assert poison["blamed_overlaps_poison"] and poison["skipped_outside_poison"] == 0
     # check_run's replay of what each run lived equals the live rule's spikes, the rolled-back one included
     assert poison["live_spikes"] == [[300, 302]] and poison["counts"]["rollback"] == 1
+    big = r["bumps"]["8 sd x 3"]  # an 8-sd bump of 3 steps on the runs' own noise: found within persistence steps
+    assert big["placed"] == 4 and big["found"] == 4 and big["max_delay"] <= 3
+    assert r["bumps"]["8 sd x 1"]["found"] == 0  # one step is skip-step's to judge, not the spike rule's
     assert all(x["replay_equals_live"] for x in r["runs"]), [
         (x["live_spikes"], x["replayed_spikes"]) for x in r["runs"]
     ]

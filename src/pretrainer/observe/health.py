@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from functools import partial
 from pathlib import Path
@@ -22,6 +23,7 @@ from .. import checkpoint as ck
 from ..evaluation.context import context_verdict
 from ..recipe.sections import SpikesSection
 from ..train.spike_replay import lived_episodes, spike_episodes, timeline
+from ..train.spikes import MAD_TO_SD
 from . import events as ev
 from .steprecord import Record, read_record
 from .tracking import read_jsonl
@@ -259,7 +261,8 @@ def verdict(
 
     Args:
         val_se: the standard error of each eval's `val/ref` (`val/ref_se`, from its fixed batches' spread): a rise
-            of the validation loss counts only beyond `EVAL_SIGMAS` of it, so a small, noisy eval set does not
+            of the validation loss counts only beyond `EVAL_SIGMAS` of it and of the series' own eval-to-eval
+            scatter (`eval_scatter`), so a small, noisy eval set or a noisy run does not
             turn a healthy run into `overfitting`. Runs without it judge the ratio alone.
         episodes: spikes found by replaying the live rule over `losses` (`spike_replay.spike_episodes`); the live check
             passes None, since the live detector's own spikes are in `events`.
@@ -287,13 +290,20 @@ def verdict(
         return "diverging", [f"the loss has stayed above its trend since a spike at step {unrecovered[-1]['onset']}"]
     vals = [(s, as_float(v)) for s, v in val if math.isfinite(as_float(v))]
     if len(vals) >= 3 and len(meds) >= 3:
-        best_step, best_val = min(vals[:-1], key=lambda x: x[1])
+        # levels, not single evals: the median of each eval and the two before it (the minimum of raw noisy evals
+        # is biased low, and one high eval is no trend)
+        v = [x for _, x in vals]
+        level = [statistics.median(v[max(0, i - 2) : i + 1]) for i in range(len(v))]
+        best = min(range(len(v) - 1), key=level.__getitem__)
+        best_val, now = level[best], level[-1]
         se = val_se or {}
-        noise = EVAL_SIGMAS * math.hypot(se.get(vals[-1][0]) or 0.0, se.get(best_step) or 0.0)
-        rising = vals[-1][1] - best_val > max(best_val * OVERFIT_RATIO, noise) and vals[-1][1] > vals[-2][1]
+        noise = EVAL_SIGMAS * max(
+            math.hypot(se.get(vals[-1][0]) or 0.0, se.get(vals[best][0]) or 0.0), math.sqrt(2) * eval_scatter(vals)
+        )
+        rising = now - best_val > max(best_val * OVERFIT_RATIO, noise) and v[-1] > v[-2]
         if rising and meds[-1] <= meds[-2]:
             return "overfitting", [
-                f"validation {vals[-1][1]:.4g} rose {vals[-1][1] / best_val - 1:.1%} above its best "
+                f"validation {now:.4g} (median of the last 3 evals) rose {now / best_val - 1:.1%} above its best "
                 f"{best_val:.4g} while training kept falling"
             ]
     if len(finite) >= 40:
@@ -308,6 +318,17 @@ def verdict(
         )
         return "recovered from spikes", reasons
     return "healthy", ["loss trend falling, no spikes"]
+
+
+def eval_scatter(vals: list[tuple[int, float]], last: int = 10) -> float:
+    """The eval-to-eval noise of a validation series: the robust sd of its last `last` successive differences (about
+    their median, so a steady trend is not noise) over sqrt(2). It holds what `val/ref_se` cannot: the weights
+    themselves move between evals (a high LR, a small batch), so two evals of the same batches differ by more than
+    their batches' spread. 0 with fewer than 7 differences (too few to tell scatter from a bend in the curve)."""
+    d = np.diff([v for _, v in vals[-(last + 1) :]])
+    if len(d) < 7:
+        return 0.0
+    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2)
 
 
 class HealthMonitor:
