@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from ..errors import PretrainerError
+from ..observe.health import load_run, report
 from .identity import PROVENANCE
 
 CARD = "README.md"
@@ -63,8 +64,6 @@ def model_card(model_dir: str | Path, repo_id: str, run_dir: str | Path | None =
 
 def _from_run(run: Path, step: int | None) -> list[str]:
     """The card's sections read from the run directory: recipe, results up to `step`, incidents."""
-    from ..observe.health import report
-
     recipe = yaml.safe_load((run / "recipe.resolved.yaml").read_text())
     r = report(run, verify_checkpoint=False)
     opt, sched = recipe.get("optimizer", {}), recipe.get("schedule", {})
@@ -99,8 +98,6 @@ def _from_run(run: Path, step: int | None) -> list[str]:
 
 
 def _val_ref_at(run: Path, step: int | None) -> tuple[int, float] | None:
-    from ..observe.health import load_run
-
     pts = [(m["step"], m["val/ref"]) for m in load_run(run)["evals"] if isinstance(m.get("val/ref"), int | float)]
     pts = [p for p in pts if step is None or p[0] <= step]
     return pts[-1] if pts else None
