@@ -60,3 +60,42 @@ def test_bad_input_is_one_clear_line(micro_recipe, tmp_path, cache_dir, capsys, 
 def test_missing_recipe_exit_2(tmp_path, capsys):
     assert run_recipe.main([str(tmp_path / "none.yaml")]) == 2
     assert "none.yaml: file not found" in capsys.readouterr().err
+
+
+def test_publish_uploads_final_with_a_card_when_the_run_ends(micro_recipe, tmp_path, cache_dir, monkeypatch):
+    """`publish.repo`: at the end, final/ goes up through huggingface_hub's HfApi (its two network calls intercepted
+    here) with the card written from the run; a failed upload is one line, never a failed run."""
+    from pathlib import Path
+
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    calls = []
+
+    def upload_folder(self, *, folder_path, repo_id, **kw):
+        calls.append((repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+        if repo_id == "me/down":
+            request = httpx.Request("POST", "https://huggingface.co/api/upload")
+            raise HfHubHTTPError("503 Service Unavailable", response=httpx.Response(503, request=request))
+        return type("Info", (), {"commit_url": f"https://hf.co/{repo_id}/commit/1"})()
+
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: None)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    out = tmp_path / "run"
+    sets = ["--set", "stages.0.steps=10", "--set", "eval.every_steps=5", "--set", "logging.report_to=[]"]
+    assert run(micro_recipe, out, cache_dir, *sets, "--set", "publish.repo=me/micro") == 0
+    ((repo, files),) = calls
+    assert repo == "me/micro" and {"README.md", "config.json", "model.safetensors", "provenance.json"} <= set(files)
+    event = read_jsonl(out / "events.jsonl")[-1]
+    assert event["event"] == "published" and event["url"] == "https://hf.co/me/micro/commit/1"
+    assert (
+        "`val/ref` (held-out loss on the run's fixed validation batches) at step 10: "
+        in (out / "final" / "README.md").read_text()
+    )
+
+    from pretrainer.checkpoint.publish import push_to_hub
+    from pretrainer.errors import PretrainerError
+
+    with pytest.raises(PretrainerError, match="--push-to-hub me/down: 503 Service Unavailable"):
+        push_to_hub(out / "final", "me/down")

@@ -36,6 +36,8 @@ def _kind(name: str, fields: tuple[str, ...], doc: str, incident: bool = False, 
 # ------------------------------------------------------------------ the run
 RUN_START = _kind("run_start", ("params", "total_steps", "world"), "a fresh run began (not on resume)")
 RUN_END = _kind("run_end", ("tokens",), "the last step is done and final/ written")
+PUBLISHED = _kind("published", ("repo", "path", "url"), "a model of the run uploaded to the Hub (`publish`)")
+PUBLISH_FAILED = _kind("publish_failed", ("repo", "path", "error"), "an upload failed; the model is saved locally")
 RUN_IDENTITY = _kind(
     "run_identity",
     ("run_id", "parent", "source", "remote_was"),

@@ -17,6 +17,7 @@ from .sections import (
     ModelSection,
     OptimizerSection,
     PrecisionSection,
+    PublishSection,
     RunSection,
     ScheduleSection,
     SpikesSection,
@@ -45,6 +46,7 @@ class Recipe(Section):
     averaging: AveragingSection = Field(default_factory=AveragingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    publish: PublishSection = Field(default_factory=PublishSection)
     debug: DebugSection = Field(default_factory=DebugSection)
     _plan: RunPlan = PrivateAttr()
 

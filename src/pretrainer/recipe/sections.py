@@ -415,3 +415,16 @@ class LoggingSection(Section):
     """W&B project / TensorBoard sub-directory."""
     peak_tflops: float | None = Field(default=None, gt=0)
     """Peak TFLOP/s of one device for MFU; default: a table of known GPUs (H100/H200 989 dense bf16), none on CPU."""
+
+
+class PublishSection(Section):
+    """Upload the finished model to the Hugging Face Hub (off by default: nothing leaves the machine unless asked)."""
+
+    repo: str | None = Field(default=None, pattern=r"^[\w.-]+/[\w.-]+$")
+    """`user/name` of the Hub repo that `final/` is uploaded to when the run ends, with a model card written from the
+    run (recipe, tokens, final val/ref, lm-eval scores, incidents); the token is huggingface_hub's (`HF_TOKEN` or
+    `huggingface-cli login`). None: no upload (`export_checkpoint.py --push-to-hub` does it for any checkpoint)."""
+    private: bool = True
+    """Create the repo private."""
+    merged: bool = False
+    """Also upload `merged/` (the averaged weights, with `averaging` on) to `<repo>-merged`."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -12,7 +13,9 @@ from accelerate.utils import DistributedType
 
 from ..checkpoint import NOTHING, CheckpointManager, Restored
 from ..checkpoint.export import save_final
+from ..checkpoint.publish import push_to_hub
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
+from ..errors import PretrainerError
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
@@ -230,6 +233,7 @@ class Trainer:
                 pass
             self.save_final()
             self.log.event(ev.RUN_END, self.state.step, tokens=self.state.tokens)
+            self.publish()
         self.accelerator.end_training()
         if self.health is not None:
             h, trackers = self.health, self.recipe.logging.report_to
@@ -493,6 +497,25 @@ class Trainer:
         if layer_vectors is not None:
             self.log.side("layers.jsonl", {"step": st.step, **layer_vectors})
         return record
+
+    def publish(self) -> None:
+        """`publish.repo`: upload `final/` (and `merged/`) with a model card (main process). A failed upload is an
+        event and a line, not a failed run: the model is saved, and `export_checkpoint.py --push-to-hub` retries."""
+        cfg = self.recipe.publish
+        if cfg.repo is None or not self.accelerator.is_main_process:
+            return
+        targets = [(self.output_dir / "final", cfg.repo)]
+        if cfg.merged and (self.output_dir / "merged").is_dir():
+            targets.append((self.output_dir / "merged", f"{cfg.repo}-merged"))
+        for path, repo in targets:
+            try:
+                url = push_to_hub(path, repo, private=cfg.private, run_dir=self.output_dir)
+            except PretrainerError as e:
+                self.log.event(ev.PUBLISH_FAILED, self.state.step, repo=repo, path=str(path), error=str(e))
+                print(f"warning: publish: {e}; {path} is saved", file=sys.stderr)
+                continue
+            self.log.event(ev.PUBLISHED, self.state.step, repo=repo, path=str(path), url=url)
+            print(f"published: {path} -> {url}", flush=True)
 
     def save_final(self) -> Path:
         """The run's models at its end: `final/` (save_pretrained model and tokenizer, loadable by
