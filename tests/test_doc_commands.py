@@ -3,9 +3,11 @@ targets of the Makefile, scripts under scripts/ whose own argument parser takes 
 script's arguments are run_recipe.py's), Accelerate
 configs and recipes that are files, and checkpoints of `runs/tiny` that `make run` leaves (the tiny recipe's saves:
 stage ends and token triggers, its `keep_last`). None is skipped silently: each command is one of those kinds or
-the test fails on it. Commands are checked, not run (the runs they start take minutes to days)."""
+the test fails on it. Training commands are checked, not run (the runs they start take minutes to days); the cheap
+ones (the offline tools on recipes and on `runs/tiny`) also run as written, in the slow suite."""
 
 import importlib
+import os
 import re
 import shlex
 from pathlib import Path
@@ -109,3 +111,54 @@ def test_every_fenced_command_names_what_exists(capsys):
 def test_a_checkpoint_make_run_does_not_leave_is_caught(name):
     with pytest.raises(AssertionError, match="leaves only"):
         check(f"python scripts/export_checkpoint.py runs/tiny/checkpoints/{name} out", tiny_checkpoints(), set())
+
+
+OFFLINE_TOOLS = {
+    f"scripts/{n}.py" for n in ("check_run", "inspect_recipe", "export_checkpoint", "eval_checkpoint", "forecast")
+}
+"""The scripts that read a run or a recipe and train nothing."""
+
+
+def cheap(command: str) -> bool:
+    """A documented command that runs in minutes on what `make run` leaves: its inputs are recipes and `runs/tiny`,
+    nothing from a cluster, a GPU, another run or the Hub."""
+    words = shlex.split(command)
+    if len(words) < 2 or words[0] != "python" or words[1] not in OFFLINE_TOOLS or "--push-to-hub" in words:
+        return False
+    runs = [w for w in words if w.startswith(("runs/", "/", "some/")) or w.endswith(".csv")]
+    return all(w == "runs/tiny" or w.startswith("runs/tiny/") for w in runs)
+
+
+@pytest.mark.slow
+def test_the_cheap_documented_commands_run(tmp_path, cache_dir):
+    """Every cheap command of the docs, run as written in a directory that looks like the repository after `make run`
+    (the repository's folders linked, `runs/tiny` a trained tiny run): exit 0 each. The rest are checked above."""
+    import subprocess
+    import sys
+
+    import run_recipe
+
+    work = tmp_path / "repo"
+    work.mkdir()
+    for name in ("scripts", "recipes", "eval_tasks", "docs", "accelerate_configs", "tests"):
+        (work / name).symlink_to(ROOT / name)
+    tiny = work / "runs" / "tiny"
+    tiny.parent.mkdir()
+    args = ["recipes/tiny.yaml", "--output-dir", str(tiny), "--set", f"data.cache_dir={cache_dir}"]
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        assert run_recipe.main([*args, "--set", "logging.report_to=[]"]) == 0
+    finally:
+        os.chdir(cwd)
+    ran, failed = [], []
+    for doc, cmd in commands():
+        if not cheap(cmd):
+            continue
+        words = [sys.executable if w == "python" else w for w in shlex.split(cmd)]
+        proc = subprocess.run(words, cwd=work, capture_output=True, text=True, timeout=600)
+        ran.append(cmd)
+        if proc.returncode != 0:
+            failed.append(f"{doc}: {cmd}: exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
+    print(f"\ncheap doc commands run: {len(ran)}")
+    assert len(ran) >= 12 and not failed, "\n".join(failed)
