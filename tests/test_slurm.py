@@ -20,9 +20,8 @@ SCRIPT = ROOT / "scripts" / "slurm" / "train.sbatch"
 FAKE_TRAINING = """#!/bin/bash
 # stands in for python: records how it was launched, then waits; SIGTERM: "saves" and exits 75
 echo "launch node=$SLURM_NODEID $*" >> "$FAKE_SLURM_LOG"
-trap 'echo "saved node=$SLURM_NODEID" >> "$FAKE_SLURM_LOG"; kill %1; exit 75' TERM
-sleep 60 &
-wait
+trap 'echo "saved node=$SLURM_NODEID" >> "$FAKE_SLURM_LOG"; exit 75' TERM
+while [ ! -e "$FAKE_SLURM_LOG.done" ]; do sleep 0.1; done  # until the test says the training finished
 exit "${FAKE_EXIT:-0}"
 """
 
@@ -78,8 +77,9 @@ def test_the_job_script_forwards_the_signal_and_requeues_once_on_75(tmp_path):
         record.unlink()
         job = submit(["recipes/tiny.yaml"], {**env, "FAKE_EXIT": code}, log)
         wait_for(lambda: record.exists() and record.read_text().count("launch node=") == 2)
-        subprocess.run(["pkill", "-f", "^sleep 60$"], check=False)  # the training "finishes"
+        (tmp_path / "slurm.log.done").touch()  # the training "finishes"
         assert job.wait(timeout=60) == int(code)
+        (tmp_path / "slurm.log.done").unlink()
         assert "requeue" not in record.read_text()
 
 

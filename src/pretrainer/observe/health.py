@@ -65,7 +65,8 @@ TRAIN_COLUMNS = ("step", "stage", "loss", "tokens", "tokens_per_s", "lr", "grad_
 def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
     """Training rows (dicts from metrics.jsonl) as the report's columns."""
     key = {"gns": "gns/b_simple"}
-    out = {c: np.array([as_float(m.get(key.get(c, c))) for m in rows], float) for c in TRAIN_COLUMNS}
+    numeric = [c for c in TRAIN_COLUMNS if c not in ("step", "stage", "tokens")]
+    out = {c: np.array([as_float(m.get(key.get(c, c))) for m in rows], float) for c in numeric}
     out["step"] = np.array([m["step"] for m in rows], np.int64)
     out["stage"] = np.array([m.get("stage") for m in rows], object)
     out["tokens"] = np.array([m.get("tokens") or 0 for m in rows], np.int64)
