@@ -32,3 +32,21 @@ def test_readme_is_short_and_its_links_resolve():
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
             if not target.startswith("http"):
                 assert (doc.parent / target).exists() or (ROOT / target).exists(), f"{doc.name} links to {target}"
+
+
+# Development history (our issue numbers, commit hashes, "this round") belongs in CHANGELOG.md; an upstream
+# project's issue or PR, named with its project, is a reference and stays.
+HISTORY = re.compile(r"(?i)(?<![\w/] )\b(?:issue|PR) #?\d+|\b(?:this|last|previous) (?:round|stop)\b")
+HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+
+
+def test_user_docs_carry_no_development_history():
+    found = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for m in [*HISTORY.finditer(text), *HASH.finditer(text)]:
+            before = text[max(0, m.start() - 40) : m.start()]
+            if re.search(r"(?:DeepSpeed|Megatron|torchtitan|transformers|accelerate)\W*$", before, re.I):
+                continue
+            found.append(f"{doc.name}: ...{before[-30:]}{m.group()}")
+    assert found == [], "development history in the user docs (move it to CHANGELOG.md):\n" + "\n".join(found)

@@ -109,12 +109,9 @@ def write_markdown(r: dict, path: str | Path, notes: str = "") -> None:
         f"{rs['1000000000']['median']:.2f} s = {rs['ratio']:.3f}x | <= 1.1x | {goal(rs['ratio'] <= 1.1)} |",
         "",
     ]
-    notes_file = Path(path).with_name("benchmark_notes.md")
     old = Path(path).read_text() if Path(path).exists() else ""
     if notes:
         lines += [notes, ""]
     elif "\n## " in old:  # the generated table is replaced; every section after it (written by hand) is kept
         lines += [old[old.index("\n## ") + 1 :]]
-    elif notes_file.exists():  # the analysis of the last measured run, kept by hand
-        lines += [notes_file.read_text()]
     Path(path).write_text("\n".join(lines))
