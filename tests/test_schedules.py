@@ -2,8 +2,10 @@ import math
 
 import pytest
 
+from pretrainer.errors import RecipeError
 from pretrainer.recipe.loading import load_recipe
-from pretrainer.recipe.schedules import cosine, lr_at, wsd
+from pretrainer.recipe.schedules import cosine, lr_array, lr_at, wsd
+from pretrainer.recipe.stages import branch_decay_recipe
 
 ROOT_1B = "recipes/1b_cosine.yaml"
 
@@ -95,3 +97,14 @@ def test_lr_array_is_lr_lambda_at_every_step(overrides):
     recipe = load_recipe("recipes/tiny.yaml", overrides)
     fn = lr_lambda(recipe)
     np.testing.assert_array_equal(lr_array(recipe), [fn(i) for i in range(recipe.plan.total_steps)])
+
+
+def test_a_branch_decay_decays_or_is_refused():
+    """A branch off a constant-LR recipe (min_lr_ratio 1) would hold the LR: refused, the field named. With a floor
+    the branch's LR falls over exactly its decay steps."""
+    const = load_recipe("tests/fixtures/micro.yaml", ["schedule.min_lr_ratio=1.0", "stages.0.steps=600"])
+    with pytest.raises(RecipeError, match="min_lr_ratio is 1"):
+        branch_decay_recipe(const, 450, 30)
+    floor = load_recipe("tests/fixtures/micro.yaml", ["schedule.min_lr_ratio=0", "stages.0.steps=600"])
+    lr = lr_array(branch_decay_recipe(floor, 450, 30))
+    assert len(lr) == 480 and lr[449] == 1.0 and lr[-1] < 0.1 and (lr[451:] < 1.0).all()

@@ -35,6 +35,11 @@ def branch_decay_recipe(recipe: Recipe, from_step: int, decay_steps: int) -> Rec
     """
     if recipe.schedule.type != "wsd":
         raise RecipeError("--branch-decay-from: only a WSD schedule has a stable phase to branch a decay from")
+    if recipe.schedule.min_lr_ratio >= 1.0:  # a constant-LR recipe: its "decay" would hold the LR where it is
+        raise RecipeError(
+            f"--branch-decay-from: schedule.min_lr_ratio is {recipe.schedule.min_lr_ratio:g}, so the branch would not "
+            "decay; give the decay's floor (--set schedule.min_lr_ratio=0)"
+        )
     span = recipe.plan.stage_at(from_step)
     data = recipe.model_dump(mode="json")
     stage = dict(data["stages"][span.index], steps=from_step - span.start_step + decay_steps, tokens=None)
