@@ -6,6 +6,10 @@ points, the fitted curve and its band, and the final loss under other schedules 
     python scripts/forecast.py runs/tiny --calibrate runs/tiny-decay-100  # a branch decay calibrates the decay gain
     python scripts/forecast.py runs/tiny --json --at 150,200              # {"final": {value, lo, hi}, "at": {...}}
     python scripts/forecast.py --curve run.csv --calibrate old.csv        # step,lr,loss rows from W&B or elsewhere
+    python scripts/forecast.py runs/tiny --train-loss                     # the per-step training loss beside val/ref
+
+The law (power, annealing, multi-power) is the one that predicted the run's own later points best (`law`,
+`validation` in --json); docs/FORECAST.md.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--curve", help="a step,lr,loss CSV instead of a run directory (empty loss: planned steps)")
     p.add_argument("--calibrate", action="append", default=[], help="run directory or CSV with a decay (repeatable)")
     p.add_argument("--fit-until", type=int, help="fit only on evals up to this step")
+    p.add_argument("--train-loss", action="store_true", help="also fit the run's per-step training loss (own level)")
+    p.add_argument("--law", choices=("power", "annealing", "multipower"), help="this law only (no choice)")
     p.add_argument("--at", help="also forecast at these steps: 28000,29000")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="PNG", help="observed points, the fit and its band, alternative schedules")
@@ -50,16 +56,22 @@ def main(argv=None) -> int:
         if args.fit_until is not None:
             keep = curve.steps <= args.fit_until
             curve.steps, curve.loss = curve.steps[keep], curve.loss[keep]
-        calibration = [ol.calibration_curve(c, peak) if peak else ol.csv_curve(c) for c in args.calibrate]
+        calibration = [ol.calibration_curve(c, peak) for c in args.calibrate]
+        if args.train_loss:
+            if not args.run_dir:
+                raise PretrainerError("--train-loss reads a run directory's per-step losses (a --curve is one curve)")
+            calibration.insert(0, ol.train_curve(args.run_dir, recipe, args.fit_until))
         if ol.usable(curve) < ol.MIN_POINTS:
             raise PretrainerError(
                 f"{ol.usable(curve)} evals from step {curve.fit_from} on to fit; the forecast needs {ol.MIN_POINTS}"
             )
-        f = fit([curve, *calibration])
+        f = fit([curve, *calibration], laws=(args.law,) if args.law else None)
         total = len(curve.lr)
         value, lo, hi = predict(f, curve.lr, [total], curve.warmup)
         out = {
             "final": {"value": float(value[0]), "lo": float(lo[0]), "hi": float(hi[0]), "step": total},
+            "law": f.law,
+            "validation": f.as_dict()["validation"],
             "fit": f.as_dict(),
         }
         if args.at:
@@ -79,7 +91,8 @@ def main(argv=None) -> int:
             emit_json(out)
             return 0
         fv = out["final"]
-        print(f"fit on {f.points} evals up to step {f.fit_step}: {f.mode}, residual sd {f.sigma:.4f}")
+        print(f"fit on {f.points} points up to step {f.fit_step}: {f.mode}, residual sd {f.sigma:.4f}")
+        print(ol.law_line(f))
         print(f"final val/ref at step {total}: {fv['value']:.4f} [{fv['lo']:.4f}, {fv['hi']:.4f}] (90% band)")
         for step, r in out.get("at", {}).items():
             print(f"  at step {step}: {r['value']:.4f} [{r['lo']:.4f}, {r['hi']:.4f}]")

@@ -8,13 +8,29 @@ import time
 import numpy as np
 import pytest
 
-from pretrainer.observe.forecast import Curve, Fit, curve_of, fit, off_track, predict
+from pretrainer.observe.forecast import Curve, credible, fit, off_track, predict
+from pretrainer.observe.laws import LAWS, LawFit, basis
 from pretrainer.observe.outlook import csv_curve, forecast_report
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.schedules import wsd
 
 N, W = 2000, 50
-TRUE = Fit(np.array([2.0, 3.0, 0.4, 4e-4, 0.99]), np.zeros((4, 4)), 0.0, 0, True, 0)
+TRUE = LawFit(LAWS["annealing"], np.array([0.4]), 0.99, np.array([2.0, 3.0, 4e-4]), np.ones(1), np.zeros((0, 0)), 0.0)
+"""The annealing law with L0 2, A 3, alpha 0.4, C 4e-4, lam 0.99."""
+MPL = LawFit(
+    LAWS["multipower"],
+    np.array([0.4, 0.0, 0.6, 0.6]),
+    None,
+    np.array([2.0, 3.0, 0.4]),
+    np.ones(1),
+    np.zeros((0, 0)),
+    0.0,
+)
+"""The multi-power law with the exponents Luo et al. fitted (beta, gamma ~0.6), C 1, B 0.4."""
+
+
+def curve_of(law: LawFit, lr, steps, warmup) -> np.ndarray:
+    return law.predict(basis(lr, warmup, steps))
 
 
 def schedule(kind: str) -> np.ndarray:
@@ -26,16 +42,16 @@ def schedule(kind: str) -> np.ndarray:
     return np.array([wsd(s, **kw) for s in range(N)])
 
 
-def drawn(kind: str, seed: int = 0, every: int = 20, noise: float = 0.01) -> Curve:
+def drawn(kind: str, seed: int = 0, every: int = 20, noise: float = 0.01, law: LawFit = TRUE) -> Curve:
     lr, steps = schedule(kind), np.arange(every, N + 1, every)
-    y = curve_of(TRUE, lr, steps, W) + noise * np.random.default_rng(seed).standard_normal(len(steps))
+    y = curve_of(law, lr, steps, W) + noise * np.random.default_rng(seed).standard_normal(len(steps))
     return Curve(lr, steps, y, W, first=1)  # drawn from the law from the start: no early transient to leave out
 
 
 def test_fitter_recovers_the_law_from_noisy_curves():
-    f = fit([drawn("const"), drawn("cosine", seed=1)])
-    l0, a, alpha, c, _ = f.params
-    assert f.calibrated and abs(l0 - 2.0) < 0.05 and abs(a - 3.0) < 0.3 and abs(alpha - 0.4) < 0.05
+    f = fit([drawn("const"), drawn("cosine", seed=1)], laws=("annealing",))
+    p = f.params
+    assert f.calibrated and abs(p["L0"] - 2.0) < 0.05 and abs(p["A"] - 3.0) < 0.3 and abs(p["alpha"] - 0.4) < 0.05
     assert f.sigma == pytest.approx(0.01, rel=0.3)  # the residual is the noise that was added
     # the fitted law predicts a schedule it never saw: the WSD curve
     w = drawn("wsd", noise=0.0)
@@ -43,13 +59,50 @@ def test_fitter_recovers_the_law_from_noisy_curves():
     assert np.mean(np.abs(v - w.loss)) < 0.005 and lo[-1] <= w.loss[-1] <= hi[-1]
 
 
+def test_the_law_that_predicts_best_is_chosen_and_says_so():
+    """Curves drawn from the multi-power law: the annealing law's one shape of decay gain fits the cosine's first
+    half but mispredicts its second; validation on the run's own later points sees it and chooses the multi-power
+    law, whose forecast of the end lands within 1%. Drawn from the annealing law, it is not beaten."""
+    half = drawn("cosine", seed=2, noise=0.003, law=MPL)
+    cut = Curve(half.lr, half.steps[: len(half.steps) // 2], half.loss[: len(half.steps) // 2], W, first=1)
+    f = fit([cut])
+    assert f.law == "multipower" and f.validation["multipower"] < f.validation["annealing"], f.validation
+    assert set(f.validation) == {"power", "annealing", "multipower"} and f.cuts >= 3
+    value, lo, hi = predict(f, half.lr, [N], W)
+    true = curve_of(MPL, half.lr, [N], W)[0]
+    assert abs(value[0] - true) / true < 0.01 and lo[0] <= true <= hi[0]
+    g = fit([Curve(half.lr, cut.steps, curve_of(TRUE, half.lr, cut.steps, W), W, first=1)])
+    assert g.validation["annealing"] <= 1.05 * min(g.validation.values()), g.validation
+
+
 def test_a_constant_lr_alone_is_stable_phase_only():
     f = fit([drawn("const")])
-    assert not f.calibrated and f.mode == "stable-phase only" and f.params[3] == 0.0
+    assert not f.calibrated and f.mode == "stable-phase only" and f.law == "power"
     assert any("not calibrated" in n for n in f.notes)
     # its forecast for a decaying schedule has no decay gain: the stable power law, above what the decay gives
     w = drawn("wsd", noise=0.0)
     assert predict(f, w.lr, [N], W)[0][0] > w.loss[-1]
+
+
+def test_a_law_that_forecasts_a_negative_loss_is_not_believed():
+    """A decay gain larger than the loss itself (a multi-power fit on a few noisy points did this: -107% on a
+    training-loss CSV cut at 30%) makes no forecast; below L0 is allowed (a decay gains beyond the constant-LR floor)."""
+    lr = schedule("cosine")
+    end = basis(lr, W, [N])
+    wild = LawFit(
+        LAWS["annealing"], np.array([0.4]), 0.99, np.array([0.1, 0.1, 1.0]), np.ones(1), np.zeros((0, 0)), 0.0
+    )
+    assert wild.predict(end)[0] < 0 and not credible(wild, end)
+    assert credible(TRUE, end) and credible(MPL, end) and MPL.predict(end)[0] < MPL.coef[0]
+
+
+def test_a_parameter_at_its_bound_is_reported():
+    """A curve that is flat after a fast fall has no floor the points can place: L0 is held at 0 and said so."""
+    lr, steps = schedule("const"), np.arange(20, N + 1, 20)
+    y = 9.0 * np.maximum(steps, 1) ** -0.05  # a power law with no floor: the fit wants L0 < 0
+    f = fit([Curve(lr, steps, y, W, first=1)])
+    assert "L0" in f.at_bound and any("at a bound" in n for n in f.notes)
+    assert f.as_dict()["at_bound"] == f.at_bound
 
 
 def test_off_track_sees_a_drift_and_not_noise():
@@ -100,7 +153,7 @@ def test_fit_time_grows_slowly_with_points():
         t0 = time.perf_counter()
         fit([curve])
         times[m] = time.perf_counter() - t0
-    assert times[1000] < 2.0, times  # well under a second on this machine; room for a loaded CI core
+    assert times[1000] < 3.0, times  # under a second on this machine; room for a loaded CI core
 
 
 def test_csv_curve_and_the_script(tmp_path, capsys):
@@ -121,10 +174,12 @@ def test_csv_curve_and_the_script(tmp_path, capsys):
     assert set(out["final"]) >= {"value", "lo", "hi"} and set(out["at"]) == {"1500", "2000"}
     assert out["final"]["lo"] <= loss[-1] <= out["final"]["hi"]
     assert abs(out["final"]["value"] - loss[-1]) < 0.01
+    assert out["law"] in ("annealing", "multipower") and out["law"] in out["validation"]["scores"]
 
 
 def test_a_real_run_forecasts_in_the_loop_and_in_check_run(tmp_path, cache_dir, capsys):
     import check_run
+    import forecast
     import run_recipe
 
     out = tmp_path / "run"
@@ -141,9 +196,14 @@ def test_a_real_run_forecasts_in_the_loop_and_in_check_run(tmp_path, cache_dir, 
     events = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "forecast"]
     # the decay is the last 3 steps: one eval (step 30) inside it is not yet a calibration
     assert len(events) == len(rows) and events[-1]["mode"] == "stable-phase only"
+    assert events[-1]["law"] in LAWS and isinstance(events[-1]["validation"]["scores"], dict)
     fc = forecast_report(out)
     assert fc["lines"][0].startswith(("on track", "off track")) and fc["final"]["step"] == 30
     capsys.readouterr()
     assert check_run.main([str(out), "--target", "1.0", "--verify", "fast"]) == 0
     text = capsys.readouterr().out
-    assert "forecast: " in text and "target 1: no" in text
+    assert "forecast: " in text and "target 1: no" in text and "forecast: law: " in text
+    # the per-step training loss beside val/ref: many more points, the same JSON shape
+    assert forecast.main([str(out), "--train-loss", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["fit"]["points"] > fc["fit"]["points"] + 10 and set(both["final"]) >= {"value", "lo", "hi"}

@@ -124,7 +124,11 @@ REMOTE_FETCH = _kind("remote_fetch", ("path", "to"), "a remote checkpoint fetche
 # ------------------------------------------------------------------ observation
 HEALTH = _kind("health", ("verdict", "reasons"), "the trend verdict at an eval")
 CONTEXT = _kind("context", (), "the loss-by-position table and its verdict", open_fields=True)
-FORECAST = _kind("forecast", ("params", "sigma", "points", "mode", "fit_step"), "the loss-curve law fitted at an eval")
+FORECAST = _kind(
+    "forecast",
+    ("law", "params", "sigma", "points", "mode", "fit_step", "validation", "at_bound"),
+    "the loss-curve law chosen and fitted at an eval, with each law's validation score",
+)
 OFF_TRACK = _kind(
     "off_track",
     ("evals", "fit_step"),

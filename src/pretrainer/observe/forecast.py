@@ -1,28 +1,29 @@
-"""Forecast the loss curve from the learning-rate schedule: the LR-annealing law (Tissue et al. 2024, arXiv
-2408.11029).
+"""Forecast the loss curve from the learning-rate schedule: three laws (observe/laws.py: the stable-phase power
+law, the LR-annealing law of Tissue et al. 2024, the multi-power law of Luo et al. 2025), the one that predicted this
+run best chosen by rolling-origin validation, and a band built from those validation errors.
 
-    L(t) = L0 + A * S1(t)^(-alpha) - C * S2(t)
-    S1(t) = sum_{i<=t} eta_i                      (the forward area: how far the LR has carried the model)
-    S2(t) = sum_{i<=t} m_i,  m_i = lam * m_{i-1} + (eta_{i-1} - eta_i)   (the annealing area, with momentum)
+Choosing by prediction, not by fit: the law with the smallest residual is the one with the most freedom, and the
+question a forecast answers is about steps not yet seen. So the run's own observations are cut at several steps
+(`CUTS`); each law is fitted on the points before a cut and scored on the points after it (mean absolute relative
+error); the law with the lowest score over the cuts makes the forecast. With too few points for a cut, the law is the
+annealing law where a decay is in the data, the power law where none is.
 
-The first two terms are the stable phase's power law in the LR area; `C * S2` is the extra reduction a decay buys,
-arriving with a delay (`lam`) after the LR falls. Pure functions of numpy and scipy.
-
-Why this law and not the multi-power law (Luo et al. 2025): with the handful of noisy evals a run has at week two,
-the multi-power law's seven parameters were not identified in our synthetic checks (fitted decay gains off by 10x
-with the same residual), while this law is linear in three of its four parameters: for each (alpha, lam) the best
-(L0, A, C) is one bounded linear least squares, so a fit is a one-dimensional search and costs milliseconds.
+The band: the delta method (parameter covariance and the target's measured noise) is conditional on the law being
+right; the validation errors measure how wrong the chosen law was on this run at horizons it could check. Their 90th
+percentile per unit of log-horizon (log(t / cut)) scales to the forecast's horizon (log(t / fit step)); and laws that
+validated nearly as well (`RIVAL`) but forecast otherwise widen it to their forecasts. The band is the widest.
 
 Conventions and what the data identify:
-- LR values are multipliers of one reference peak (the run's `optimizer.lr`), so S1 is in peak-LR steps and curves
-  of one recipe family share parameters. Warmup counts in S1; its rise is not an anneal (S2 counts falls only).
-- A constant-LR phase identifies L0, A and alpha only. C (and lam) need a decay: the run's own (cosine decays from
-  the start), a branch decay, or an earlier run. Without one the fit is `stable-phase only`: C = 0, and a forecast
-  for a decaying schedule is the stable power law alone (an upper estimate, said as such).
-- Noisy curves (per-step training loss) are averaged into at most 400 bins, and the linear fits are robust
-  (Huber weights, iterated), so a spike or a noisy stretch moves the fit little.
-- Band: the delta method. Cov = sigma^2 (J^T J)^-1 with J the Jacobian in (L0, A, alpha, C) at the fit and sigma the
-  residual sd; a prediction's variance is g Cov g^T + sigma^2; the band is +-1.645 sd (90%).
+- LR values are multipliers of one reference peak (the run's `optimizer.lr`), so the LR area is in peak-LR steps and
+  curves of one recipe family share parameters. Warmup counts in the area; its rise is not an anneal.
+- A constant-LR phase identifies L0, A and alpha only. A decay gain needs a decay: the run's own (cosine decays from
+  the start), a branch decay, or an earlier run. Without one the forecast is `stable-phase only` (the power law: an
+  upper estimate for a decaying schedule, said as such).
+- Several curves: the first is the target (`val/ref`); a curve with `offset` (a training-loss curve of the same run)
+  shares the law but has a level of its own; a calibration run shares everything. Long curves (per-step training
+  loss) are averaged into at most `MAX_POINTS` bins; each curve is weighted by its own measured noise.
+- A parameter at a bound of its search (L0 at 0, alpha at 0.02, ...) is named in `at_bound` and the notes: the data
+  did not identify it, and the validation band is what the forecast then rests on.
 """
 
 from __future__ import annotations
@@ -30,13 +31,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import minimize_scalar
-from scipy.signal import lfilter
 
-NAMES = ("L0", "A", "alpha", "C", "lam")
+from .laws import LAWS, Basis, LawFit, Series, areas_at, basis, fit_law
+
 Z90 = 1.645
-LAMBDAS = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
-"""The delay factors tried when a decay calibrates the fit (the paper's default is 0.999 at ~10^4-10^5 steps)."""
+Z99 = 2.576
+MAX_POINTS = 100
+CUTS = (0.4, 0.55, 0.7, 0.85)
+"""Where the run's own points are cut for validation: fractions of its usable points."""
+MIN_FIT = 4
+"""Points a law is fitted on at least (of the target, or of the run's curves together)."""
+PER_PARAMETER = 2
+"""Points of the run per parameter of a law before a validation cut (power 3, annealing 5, multi-power 7)."""
+RIVAL = 2.0
+"""A law whose validation score is within this factor of the chosen one's is a rival: the band covers its forecast
+too (laws that predicted the run about as well but disagree about the future are the forecast's uncertainty)."""
 
 
 @dataclass
@@ -51,6 +60,10 @@ class Curve:
     warmup: int = 0
     first: int | None = None
     """The first step the fit uses; None: max(2 x warmup, 10% of the steps) (see `fit_from`)."""
+    offset: bool = False
+    """A level of its own (a training-loss curve beside `val/ref`)."""
+    same_run: bool = True
+    """Cut with the target in validation (False: a calibration run, always used whole)."""
 
     def __post_init__(self) -> None:
         self.lr = np.asarray(self.lr, float)
@@ -79,51 +92,37 @@ def areas(lr: np.ndarray, warmup: int, lam: float) -> tuple[np.ndarray, np.ndarr
     return s1, s2[lam]
 
 
-def areas_at(
-    lr: np.ndarray, warmup: int, lams: tuple[float, ...], steps: np.ndarray
-) -> tuple[np.ndarray, dict[float, np.ndarray]]:
-    """S1 and, for each lam, S2 after the given steps only: one pass over the LR sequence for S1, and for S2 one
-    pass from the first LR drop on (none for the stable phase of a WSD run). A 10M-step run costs ~0.1 s and a few
-    arrays of its length, where the full arrays for each lam would cost seconds and gigabytes."""
-    lr = np.asarray(lr, float)
-    steps = np.asarray(steps, int)
-    s1 = _sums_at(lr, steps)
-    drop = np.subtract(lr[:-1], lr[1:])  # drop[i - 1]: the fall into step i
-    np.maximum(drop, 0.0, out=drop)
-    drop[:warmup] = 0.0
-    falls = np.flatnonzero(drop)
-    out = {}
-    for lam in lams:
-        if not len(falls):
-            out[lam] = np.zeros(len(steps))
-            continue
-        first = int(falls[0])  # the momentum is 0 before the first fall
-        m = lfilter([1.0], [1.0, -lam], drop[first:])  # m_i = lam * m_{i-1} + drop_i, in C
-        out[lam] = _sums_at(m, steps - first - 1)
-    return s1, out
-
-
-def _sums_at(x: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """sum(x[:t]) for each t in `steps` (0 where t <= 0)."""
-    c = np.cumsum(x)
-    at = np.clip(steps, 0, len(x))
-    return np.where(at > 0, c[np.maximum(at - 1, 0)] if len(c) else 0.0, 0.0)
-
-
 @dataclass
 class Fit:
-    params: np.ndarray
-    """(L0, A, alpha, C, lam)."""
-    cov: np.ndarray
-    """Covariance of (L0, A, alpha, C)."""
+    chosen: LawFit
+    """The law that predicted best, fitted on every point."""
     sigma: float
-    """Residual sd (loss units)."""
+    """The target's measured noise (residual sd, loss units)."""
     points: int
     calibrated: bool
-    """False: no decay in the data; the forecast is stable-phase only (C = 0, no decay gain)."""
+    """False: no decay in the data; the forecast is stable-phase only (the power law, no decay gain)."""
     fit_step: int
-    """The last observed step the fit used."""
+    """The last observed step of the run the fit used."""
+    validation: dict[str, float] = field(default_factory=dict)
+    """Each candidate law's mean absolute relative error on the points after the cuts (none: too few points)."""
+    spread: float = 0.0
+    """The chosen law's 90th percentile of |relative error| / log(t / cut) in validation (0: none measured)."""
+    cuts: int = 0
     notes: list[str] = field(default_factory=list)
+    rivals: list[LawFit] = field(default_factory=list)
+    """Laws that validated within `RIVAL` of the chosen one, fitted on every point: the band covers them."""
+
+    @property
+    def law(self) -> str:
+        return self.chosen.law.name
+
+    @property
+    def params(self) -> dict[str, float]:
+        return self.chosen.params
+
+    @property
+    def at_bound(self) -> list[str]:
+        return self.chosen.at_bound
 
     @property
     def mode(self) -> str:
@@ -131,128 +130,188 @@ class Fit:
 
     def as_dict(self) -> dict:
         return {
-            "params": dict(zip(NAMES, map(float, self.params))),
+            "law": self.law,
+            "params": self.params,
             "sigma": self.sigma,
             "points": self.points,
             "mode": self.mode,
             "fit_step": self.fit_step,
+            "validation": {"scores": self.validation, "cuts": self.cuts, "spread": self.spread},
+            "at_bound": self.at_bound,
         }
 
 
-def _bin(steps: np.ndarray, loss: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """Average a long noisy curve into at most `max_points` bins of equal count (the fit's smoothing)."""
+def _bin(steps: np.ndarray, loss: np.ndarray, max_points: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Average a long noisy curve into at most `max_points` bins of equal count: (steps, means, counts)."""
     if len(steps) <= max_points:
-        return steps, loss
+        return steps, loss, np.ones(len(steps))
     edges = np.linspace(0, len(steps), max_points + 1).astype(int)
-    pairs = list(zip(edges[:-1], edges[1:]))
-    return (
-        np.array([int(round(steps[a:b].mean())) for a, b in pairs]),
-        np.array([loss[a:b].mean() for a, b in pairs]),
-    )
+    counts = np.diff(edges).astype(float)
+    mid = np.add.reduceat(steps.astype(float), edges[:-1]) / counts
+    return np.rint(mid).astype(int), np.add.reduceat(loss, edges[:-1]) / counts, counts
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, free: list[int]) -> np.ndarray:
-    """Least squares with the coefficients >= 0: drop a negative one and refit (3 columns: at most 3 rounds)."""
-    coef = np.zeros(x.shape[1])
-    while free:
-        sol = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
-        if (sol >= 0).all():
-            coef[free] = sol
-            break
-        free = [j for j, v in zip(free, sol) if v >= 0] if (sol >= 0).any() else []
-    return coef
-
-
-def _solve(x: np.ndarray, y: np.ndarray, with_c: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Robust non-negative linear least squares for (L0, A, C): Huber weights, iterated. Returns (coef, resid)."""
-    w = np.ones(len(y))
-    free = [0, 1, 2] if with_c else [0, 1]
-    for _ in range(3):
-        sw = np.sqrt(w)
-        coef = _nonneg_lstsq(x * sw[:, None], y * sw, list(free))
-        r = y - x @ coef
-        s = max(1.4826 * float(np.median(np.abs(r - np.median(r)))), 1e-6)
-        w = np.minimum(1.0, 1.345 * s / np.maximum(np.abs(r), 1e-12))
-    return coef, y - x @ coef
-
-
-def fit(curves: list[Curve], *, max_points: int = 400) -> Fit:
-    """Fit the law jointly to `curves` (the run and any calibration curves), sharing every parameter."""
-    data = []
+def _series(curves: list[Curve], max_points: int) -> list[tuple[Curve, Series]]:
+    out = []
     for c in curves:
         keep = c.steps >= c.fit_from
-        s, v = _bin(c.steps[keep], c.loss[keep], max_points)
+        s, v, n = _bin(c.steps[keep], c.loss[keep], max_points)
         if len(s):
-            data.append((c, s, v))
-    y = np.concatenate([v for _, _, v in data]) if data else np.array([])
-    if len(y) < 4:
-        raise ValueError(f"{len(y)} observations: the law needs at least 4 to fit")
-    calibrated = sum(c.decay_points() for c, _, _ in data) >= 2
-    lams = LAMBDAS if calibrated else (LAMBDAS[-1],)
-    at = [areas_at(c.lr, c.warmup, lams, s) for c, s, _ in data]  # each curve's areas at its observed steps
-    cache = {lam: [(s1, s2[lam]) for s1, s2 in at] for lam in lams}
+            out.append((c, Series(basis(c.lr, c.warmup, s), v, n, c.offset)))
+    return out
 
-    def design(alpha: float, lam: float) -> np.ndarray:
-        rows = []
-        for (_, s, _), (s1, s2) in zip(data, cache[lam]):
-            rows.append(np.stack([np.ones(len(s)), np.maximum(s1, 1e-9) ** (-alpha), -s2], axis=1))
-        return np.concatenate(rows)
 
-    def sse(alpha: float, lam: float) -> float:
-        _, r = _solve(design(alpha, lam), y, calibrated)
-        return float(np.sum(r**2))
+def _before(s: Series, cut: int) -> Series:
+    m = s.basis.steps <= cut
+    b = s.basis
+    sub = Basis(b.steps[m], b.s1[m], {k: v[m] for k, v in b.s2.items()}, b.groups)
+    return Series(sub, s.loss[m], s.weight[m], s.offset)
 
-    best = None
-    for lam in lams:
-        opt = minimize_scalar(sse, args=(lam,), bounds=(0.02, 2.0), method="bounded", options={"xatol": 1e-4})
-        if best is None or opt.fun < best[0]:
-            best = (opt.fun, float(opt.x), lam)
-    _, alpha, lam = best
-    x = design(alpha, lam)
-    (l0, a, cc), r = _solve(x, y, calibrated)
-    dof = max(1, len(y) - (4 if calibrated else 3))
-    sigma = max(float(np.sqrt(np.sum(r**2) / dof)), 1e-6)
-    s1_obs = np.concatenate([np.maximum(s1, 1e-9) for s1, _ in cache[lam]])
-    jac = np.stack([x[:, 0], x[:, 1], -a * x[:, 1] * np.log(s1_obs), x[:, 2]], axis=1)
-    if not calibrated:
-        jac = jac[:, :3]
-    cov = np.linalg.pinv(jac.T @ jac) * sigma**2
-    if not calibrated:
-        cov = np.pad(cov, ((0, 1), (0, 1)))
-    notes = [] if calibrated else ["no decay in the data: the decay gain is not calibrated (stable-phase only)"]
-    last = max(int(s.max()) for _, s, _ in data)
-    return Fit(np.array([l0, a, alpha, cc, lam]), cov, sigma, len(y), calibrated, last, notes)
+
+def _after(s: Series, cut: int) -> tuple[Basis, np.ndarray]:
+    m = s.basis.steps > cut
+    b = s.basis
+    return Basis(b.steps[m], b.s1[m], {k: v[m] for k, v in b.s2.items()}, b.groups), s.loss[m]
+
+
+def validate(law: str, data: list[tuple[Curve, Series]], cuts: list[int]) -> np.ndarray:
+    """Rows (relative error, log(t / cut), curve index, observed loss) of each point of the run after each cut, the law
+    fitted on the points before it; and of each calibration run's points in that fit (horizon 0: a law that cannot
+    follow a calibration decay pays for it). A curve with a level of its own is scored only where it has points
+    before the cut. A cut with fewer than `PER_PARAMETER` points of the run per parameter of the law is not tried:
+    a law is not judged on data it could only interpolate."""
+    out = []
+    need = PER_PARAMETER * LAWS[law].size
+    for cut in cuts:
+        train, scored, own = [], [], 0
+        for i, (c, s) in enumerate(data):
+            part = _before(s, cut) if c.same_run else s
+            if len(part.loss):
+                train.append(part)
+                scored.append((i, s, c.same_run, sum(x.offset for x in train[:-1]) if s.offset else None))
+                own += len(part.loss) if c.same_run else 0
+        if own < need:
+            continue
+        f = fit_law(LAWS[law], train, rounds=1)
+        for i, s, same, off in scored:
+            b, y = _after(s, cut) if same else (s.basis, s.loss)
+            if len(y):
+                horizon = np.log(b.steps / cut) if same else np.zeros(len(y))
+                out.append(np.stack([(f.predict(b, off) - y) / y, horizon, np.full(len(y), i), y], axis=1))
+    return np.concatenate(out) if out else np.zeros((0, 4))
+
+
+def spread_of(rows: np.ndarray, sd: np.ndarray) -> float:
+    """The 90th percentile of the law's own error per unit of log-horizon, over the longer half of the horizons:
+    each error with the point's measured noise taken out (in quadrature), since the band adds that noise itself."""
+    rows = rows[rows[:, 1] > 0]
+    if not len(rows):
+        return 0.0
+    rows = rows[rows[:, 1] >= np.median(rows[:, 1])]
+    e, h, which, y = rows.T
+    noise = sd[which.astype(int)] / np.abs(y)
+    model = np.sqrt(np.maximum(e**2 - noise**2, 0.0))
+    return float(np.quantile(model / h, 0.9))
+
+
+def _cuts(data: list[tuple[Curve, Series]]) -> list[int]:
+    """Validation cuts: steps at `CUTS` of the run's usable points, each with `MIN_FIT` points before it and one
+    after."""
+    steps = np.sort(np.concatenate([s.basis.steps for c, s in data if c.same_run]))
+    if len(steps) < MIN_FIT + 1:
+        return []
+    ks = {min(max(int(round(f * len(steps))), MIN_FIT), len(steps) - 1) for f in CUTS}
+    return sorted({int(steps[k - 1]) for k in ks if steps[k - 1] < steps[-1]})
+
+
+def fit(curves: list[Curve], *, max_points: int = MAX_POINTS, laws: tuple[str, ...] | None = None) -> Fit:
+    """Fit the laws to `curves` (the first is the target), choose the one that predicted the run best, fit it on
+    every point. `laws`: the candidates (default: all three where a decay is in the data, the power law where
+    none is)."""
+    data = _series(curves, max_points)
+    points = sum(len(s.loss) for _, s in data)
+    if points < MIN_FIT or not data or data[0][0] is not curves[0]:
+        raise ValueError(f"{points} observations: the law needs at least {MIN_FIT} to fit, the target one")
+    decays = sum(c.decay_points() for c, _ in data) >= 2
+    names = laws or (("annealing", "multipower", "power") if decays else ("power",))
+    cuts = _cuts(data)
+    errors = {name: validate(name, data, cuts) for name in names} if len(names) > 1 or cuts else {}
+    scores = {n: float(np.mean(np.abs(v[:, 0]))) for n, v in errors.items() if len(v)}
+    every = [s for _, s in data]
+    end = basis(curves[0].lr, curves[0].warmup, [len(curves[0].lr)])
+    fitted: dict[str, LawFit] = {}
+    for name in sorted(scores, key=scores.get):  # the best validated law whose forecast is a loss
+        fitted[name] = fit_law(LAWS[name], every)
+        if credible(fitted[name], end):
+            break
+    ranked = [n for n in sorted(scores, key=scores.get) if n in fitted and credible(fitted[n], end)]
+    if ranked:
+        chosen = ranked[0]
+        lf = fitted[chosen]
+    else:  # too few points to validate: the first law whose shape they identify, in order of parsimony
+        for chosen in [n for n in ("annealing", "power", "multipower") if n in names]:
+            lf = fitted.get(chosen) or fit_law(LAWS[chosen], every)
+            if lf.identified and credible(lf, end):
+                break
+    rivals = []
+    for name, score in scores.items():
+        if name != chosen and score <= RIVAL * scores[chosen]:
+            f = fitted.get(name) or fit_law(LAWS[name], every)
+            if credible(f, end):
+                rivals.append(f)
+    spread = spread_of(errors[chosen], lf.sd) if chosen in scores else 0.0
+    calibrated = lf.law.name != "power" and lf.coef[2] > 0
+    if not decays:
+        notes = ["no decay in the data: the decay gain is not calibrated (stable-phase only)"]
+    elif not calibrated:
+        notes = ["a decay is in the data but no decay gain is identified by it (stable-phase only)"]
+    else:
+        notes = []
+    if not scores and len(names) > 1:
+        notes.append(f"too few points to validate: the {chosen} law by default")
+    if lf.at_bound:
+        notes.append(f"at a bound (not identified by these points): {', '.join(lf.at_bound)}")
+    last = max(int(s.basis.steps.max()) for c, s in data if c.same_run)
+    return Fit(lf, float(lf.sd[0]), points, calibrated, last, scores, spread, len(cuts), notes, rivals)
+
+
+def credible(lf: LawFit, end: Basis) -> bool:
+    """A law whose forecast for the end of the plan is not a positive loss (a decay term larger than the loss itself)
+    extrapolates outside what it means. (Below L0 is allowed: L0 is the floor of the constant-LR curve, and a decay
+    gains beyond it.)"""
+    return bool(lf.predict(end)[0] > 0.0)
 
 
 def curve_of(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> np.ndarray:
     """The law's loss at `steps` under the LR sequence `lr`."""
-    l0, a, alpha, c, lam = f.params
-    steps = np.atleast_1d(np.asarray(steps, int))
-    s1, s2 = areas_at(lr, warmup, (lam,), steps)
-    return l0 + a * np.maximum(s1, 1e-9) ** (-alpha) - c * s2[lam]
+    return f.chosen.predict(basis(lr, warmup, steps))
 
 
 def predict(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(value, lo, hi) at `steps` under `lr`: the law and its 90% band (delta method, noise included)."""
-    l0, a, alpha, c, lam = f.params
-    steps = np.atleast_1d(np.asarray(steps, int))
-    s1, s2 = areas_at(lr, warmup, (lam,), steps)
-    s2 = s2[lam]
-    p = np.maximum(s1, 1e-9) ** (-alpha)
-    value = l0 + a * p - c * s2
-    g = np.stack([np.ones(len(steps)), p, -a * p * np.log(np.maximum(s1, 1e-9)), -s2], axis=1)
-    sd = np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", g, f.cov, g) + f.sigma**2, 0.0))
-    return value, value - Z90 * sd, value + Z90 * sd
-
-
-Z99 = 2.576
+    """(value, lo, hi) at `steps` under `lr`: the chosen law and its 90% band, the widest of: the delta method (the
+    target's noise included), the validation errors scaled to the horizon, and the rivals' forecasts."""
+    b = basis(lr, warmup, steps)
+    value = f.chosen.predict(b)
+    g = f.chosen.gradient(b)
+    delta = Z90 * np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", g, f.chosen.cov, g) + f.sigma**2, 0.0))
+    horizon = np.maximum(np.log(np.maximum(b.steps, 1) / max(f.fit_step, 1)), 0.0)
+    half = np.maximum(delta, f.spread * horizon * np.abs(value))
+    lo, hi = np.maximum(value - half, 0.0), value + half  # a loss is not negative
+    for rival in f.rivals:
+        other = rival.predict(b)
+        lo, hi = np.minimum(lo, other), np.maximum(hi, other)
+    return value, lo, hi
 
 
 def off_track(f: Fit, curve: Curve, last_n: int = 4) -> list[int]:
     """The steps of the last `last_n` observations past the fit when all of them lie above its 99% band (a drift
     the law fitted then did not foresee); empty when the run is on track or too few observations came after the fit.
     99% and four in a row: the residuals of a real curve around the law are correlated, so a 90% band crossed
-    three times in a row is not rare on a healthy run."""
+    three times in a row is not rare on a healthy run. A fit with a parameter at a bound judges nothing: a law whose
+    floor (or shape) the points did not place cannot tell a curve that levels off earlier than it assumed from a
+    drift (a healthy micro run's plateau was called off track that way)."""
+    if f.at_bound:
+        return []
     later = curve.steps > f.fit_step
     steps, loss = curve.steps[later], curve.loss[later]
     if len(steps) < last_n:

@@ -56,6 +56,21 @@ def run_curve(
     return Curve(schedule_of(recipe), steps, loss, recipe.schedule.warmup_steps)
 
 
+def train_curve(
+    run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None, run: dict | None = None
+) -> Curve:
+    """A run's per-step training loss (the timeline it kept) as a curve with a level of its own beside `val/ref`:
+    many more points than the evals, each noisier, binned by the fit. Read it only where the training loss tracks
+    held-out loss (one pass over the data; a run that repeats its data learns it and its training loss falls
+    below `val/ref` in a shape of its own)."""
+    run = run or load_run(run_dir)
+    recipe = recipe or run_recipe(run_dir)
+    steps, loss = run["losses"].steps, run["losses"].values
+    if fit_until is not None:
+        steps, loss = steps[steps <= fit_until], loss[steps <= fit_until]
+    return Curve(schedule_of(recipe), steps, loss, recipe.schedule.warmup_steps, offset=True)
+
+
 def csv_curve(path: str | Path, peak: float | None = None) -> Curve:
     """A curve from `step,lr,loss` rows (from W&B or another framework): rows with an empty loss are the planned
     schedule still to run. LRs are divided by `peak` (default: the file's largest LR); steps are 1-based."""
@@ -73,15 +88,18 @@ def csv_curve(path: str | Path, peak: float | None = None) -> Curve:
     return Curve(full, np.array([s for s, _ in seen]), np.array([v for _, v in seen]), warmup)
 
 
-def calibration_curve(path: str | Path, peak: float) -> Curve:
-    """A calibration curve from a run directory (its own recipe's schedule) or a `step,lr,loss` CSV (LRs divided by
-    the run's `peak`, so both curves share one LR scale)."""
+def calibration_curve(path: str | Path, peak: float | None) -> Curve:
+    """A calibration curve: another run of the same recipe family (a branch decay, an earlier run), sharing every
+    parameter of the law; from a run directory (its own recipe's schedule) or a `step,lr,loss` CSV. LRs are divided by
+    the run's `peak` (None: a CSV's own largest LR), so both curves share one LR scale. Never cut in validation."""
     path = Path(path)
     if path.suffix == ".csv":
-        return csv_curve(path, peak)
-    curve = run_curve(path)
-    own_peak = run_recipe(path).optimizer.lr
-    curve.lr = curve.lr * own_peak / peak
+        curve = csv_curve(path, peak)
+    else:
+        curve = run_curve(path)
+        if peak is not None:
+            curve.lr = curve.lr * run_recipe(path).optimizer.lr / peak
+    curve.same_run = False
     return curve
 
 
@@ -131,9 +149,17 @@ def outlook(curve: Curve, calibration: list[Curve] = (), check_last: int = 4) ->
     return Outlook(f, (float(value[0]), float(lo[0]), float(hi[0])), total, drift, m)
 
 
+def law_line(f: Fit) -> str:
+    """Which law, chosen how, and what the data did not identify."""
+    scores = ", ".join(f"{n} {s:.2%}" for n, s in sorted(f.validation.items(), key=lambda x: x[1]))
+    how = f"validated on {f.cuts} cuts: {scores}" if scores else "not validated: too few points"
+    bound = f"; at a bound: {', '.join(f.at_bound)}" if f.at_bound else ""
+    return f"law: {f.law} ({how}){bound}"
+
+
 def verdict_lines(o: Outlook, target: float | None = None) -> list[str]:
     v, lo, hi = o.final
-    mode = "" if o.fit.calibrated else " (stable-phase only: no decay calibrated, no decay gain forecast)"
+    mode = "" if o.fit.calibrated else " (stable-phase only: no decay gain identified, an upper estimate)"
     if o.off_track:
         lines = [
             f"off track: the last {len(o.off_track)} evals (steps {o.off_track[0]}-{o.off_track[-1]}) lie above the "
@@ -141,6 +167,7 @@ def verdict_lines(o: Outlook, target: float | None = None) -> list[str]:
         ]
     else:
         lines = [f"on track: final val/ref forecast {v:.4f} [{lo:.4f}, {hi:.4f}] at step {o.total}{mode}"]
+    lines.append(law_line(o.fit))
     if target is not None:
         answer = "yes" if hi <= target else "no" if lo > target else "uncertain"
         lines.append(f"target {target:g}: {answer} (forecast {v:.4f} [{lo:.4f}, {hi:.4f}])")
