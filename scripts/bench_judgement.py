@@ -175,7 +175,8 @@ def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
                     value, unit = size.split()
                     if unit == "sd":
                         window = slice(at - cfg.window, at)
-                        _, sd = trend_fit(steps[window].astype(float), loss[window].astype(float), float(steps[at]))
+                        s, v = steps[window].astype(float), loss[window].astype(float)
+                        _, sd = trend_fit(s, v, float(steps[at]), persistence=1)  # the per-step noise sd
                     bumped = loss.copy()
                     bumped[at : at + length] += np.float32(float(value) * (sd if unit == "sd" else 1.0))
                     eps = spike_episodes((steps, bumped), graces, cfg, warmup)

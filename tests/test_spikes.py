@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import run_recipe
 from conftest import FIXTURES
+from scipy.signal import lfilter
 
 from pretrainer import checkpoint as ck
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.train.recovery import measured_outliers
-from pretrainer.train.spikes import SpikeDetector, sample_ranges
+from pretrainer.train.spike_replay import spike_episodes
+from pretrainer.train.spikes import SpikeDetector, inflation, sample_ranges, trend_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,3 +289,29 @@ def test_bench_spikes_script(capsys):
     assert bench_spikes.main(["--steps", "1500"]) == 0
     table = capsys.readouterr().out
     assert "| trend (new) |" in table and "| level (old) |" in table and "4,500 healthy steps" in table
+
+
+def _ar(rho: float, n: int, seed: int) -> np.ndarray:
+    e = np.random.default_rng(seed).standard_normal(n)
+    return lfilter([1.0], [1.0, -rho], e) * math.sqrt(1 - rho * rho)  # unit variance
+
+
+def test_correlated_noise_widens_the_scale_and_keeps_the_false_alarm_rate():
+    """The rule judges the mean z of 3 steps in a row; with AR(1) noise (rho 0.6) such means are sqrt(2.04) = 1.43x
+    wider than with independent noise, so the scale is widened by the residuals' own lag-1 autocorrelation. On 200k
+    steps of it the replay finds a handful of spikes (the Gaussian-calibrated scale found ~60: 30.1 per 100k)."""
+    assert inflation(0.0, 3) == 1.0 and inflation(0.6, 3) == pytest.approx(math.sqrt(2.04))
+    assert inflation(0.6, 1) == 1.0  # one step: no mean to widen
+    steps = np.arange(1.0, 101.0)
+    ratios = {}
+    for rho in (0.0, 0.6):
+        r = []
+        for seed in range(100):
+            noise = 0.02 * _ar(rho, 100, seed)
+            r.append(trend_fit(steps, 3 + noise, 101.0)[1] / trend_fit(steps, 3 + noise, 101.0, persistence=1)[1])
+        ratios[rho] = float(np.median(r))
+    assert ratios[0.0] < 1.15 and 1.25 < ratios[0.6] < 1.5, ratios
+    n = 200_000
+    s = np.arange(1, n + 1)
+    loss = (3 + 3 / np.sqrt(s) + 0.02 * _ar(0.6, n, 7)).astype(np.float32)
+    assert len(spike_episodes((s, loss), [], None, start=20)) <= 12

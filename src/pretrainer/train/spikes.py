@@ -52,8 +52,29 @@ def robust_sd(residuals: np.ndarray) -> float:
     return MAD_TO_SD * float(np.median(np.abs(residuals - np.median(residuals))))
 
 
-def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float) -> tuple[float, float]:
-    """(the trend's prediction at step `at`, the robust sd of the residuals around it).
+def inflation(rho, persistence: int):
+    """sqrt of the variance inflation of a mean of `persistence` residuals with lag-1 autocorrelation `rho` (AR(1)):
+    1 + 2 sum_k (1 - k/p) rho^k. The rule judges the mean z of `persistence` steps in a row; correlated noise makes
+    such means wider than independent noise does, so the scale is widened by this factor and the threshold keeps the
+    false-alarm rate it has on independent noise."""
+    var = 1.0
+    for k in range(1, persistence):
+        var = var + 2.0 * (1.0 - k / persistence) * rho**k
+    return np.sqrt(var)
+
+
+def lag1(resid: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """The residuals' lag-1 autocorrelation over the kept points (per row for 2-D), clipped to [0, 0.9]: a negative
+    estimate would narrow the scale on noise, and 0.9 bounds the widening."""
+    r = resid * keep
+    num = np.sum(r[..., :-1] * r[..., 1:], axis=-1)
+    den = np.sum(r * r, axis=-1)
+    return np.clip(num / np.where(den > 0, den, 1.0), 0.0, 0.9)
+
+
+def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float, persistence: int = 3) -> tuple[float, float]:
+    """(the trend's prediction at step `at`, the noise scale: the robust sd of the residuals around it, widened by
+    their autocorrelation for means of `persistence` steps).
 
     A quadratic in the step (linear below 8 points) fitted by least squares, then refitted without the points more
     than 3 robust sd off: curvature of an early power-law descent is in the trend, not the noise.
@@ -76,7 +97,7 @@ def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float) -> tuple[float, 
     n_in = int(keep.sum())
     if n_in > deg + 2:
         sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
-    return float(coef[0]), sd
+    return float(coef[0]), sd * float(inflation(lag1(resid, keep), persistence))
 
 
 class SpikeDetector:
@@ -116,7 +137,7 @@ class SpikeDetector:
         """(z, predicted loss, noise sd) of `loss` at `step` against the window's trend."""
         steps = np.fromiter((s for s, _ in self.history), float, len(self.history))
         losses = np.fromiter((v for _, v in self.history), float, len(self.history))
-        pred, sd = trend_fit(steps, losses, step)
+        pred, sd = trend_fit(steps, losses, step, self.persistence)
         scale = max(sd, self.min_rel_scale * abs(pred), 1e-8)
         return (loss - pred) / scale, pred, scale
 
