@@ -61,9 +61,11 @@ def main(argv=None) -> int:
             if not args.run_dir:
                 raise PretrainerError("--train-loss reads a run directory's per-step losses (a --curve is one curve)")
             calibration.insert(0, ol.train_curve(args.run_dir, recipe, args.fit_until))
-        if ol.usable(curve) < ol.MIN_POINTS:
+        own = ol.usable(curve) + (ol.usable(calibration[0]) if args.train_loss else 0)
+        if own < ol.MIN_POINTS or not ol.usable(curve):
             raise PretrainerError(
-                f"{ol.usable(curve)} evals from step {curve.fit_from} on to fit; the forecast needs {ol.MIN_POINTS}"
+                f"{ol.usable(curve)} evals from step {curve.fit_from} on to fit; the forecast needs {ol.MIN_POINTS} "
+                "(with --train-loss: one eval and the training losses)"
             )
         f = fit([curve, *calibration], laws=(args.law,) if args.law else None)
         total = len(curve.lr)

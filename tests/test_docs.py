@@ -50,3 +50,14 @@ def test_user_docs_carry_no_development_history():
                 continue
             found.append(f"{doc.name}: ...{before[-30:]}{m.group()}")
     assert found == [], "development history in the user docs (move it to CHANGELOG.md):\n" + "\n".join(found)
+
+
+def test_architecture_names_every_module():
+    """docs/ARCHITECTURE.md's table is the map of the library: a module it does not name is one a reader cannot find."""
+    table = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    missing = [
+        f"{p.parent.name}/{p.name}"
+        for p in sorted((ROOT / "src" / "pretrainer").glob("*/*.py"))
+        if p.name != "__init__.py" and f"`{p.name}`" not in table
+    ]
+    assert missing == [], f"modules docs/ARCHITECTURE.md does not name: {missing}"
