@@ -42,9 +42,11 @@ def launch(config: str, out: Path, cache_dir: Path, *extra: str, processes: int 
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_zero3_two_processes(tmp_path, cache_dir):
     """Also lm-eval in the loop: ZeRO-3 shards gathered onto the main process, scored there, the same as the
-    exported model scores in a process of its own."""
+    exported model scores in a process of its own. Slow (71 s here): a variation of the two-process path the default
+    suite runs under ZeRO-1 (syncs) and ZeRO-2 (kill, resume, export; skip-step)."""
     out = tmp_path / "z3"
     lm_eval = "eval.lm_eval={tasks: [heldout_python_bpb], include_path: eval_tasks, limit: 8}"
     proc = launch("zero3.yaml", out, cache_dir, "--set", lm_eval)
