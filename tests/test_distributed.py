@@ -251,9 +251,11 @@ def test_crafted_deepspeed_checkpoint_never_runs_code(tmp_path, cache_dir):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_dir):
     """DDP (2 CPU processes via torchrun) with `checkpoint.async`: the main process alone snapshots and writes, the
-    other rank never joins the write's hashing, and a resume from the middle continues the run exactly."""
+    other rank never joins the write's hashing, and a resume from the middle continues the run exactly. Slow (28 s
+    here): background saves are tested on one process by default (tests/test_checkpoint.py)."""
 
     def run(out, *extra):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
