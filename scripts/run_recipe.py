@@ -68,12 +68,12 @@ def main(argv=None) -> int:
         if args.branch_decay_from:
             from pretrainer.checkpoint import read_meta
             from pretrainer.errors import PretrainerError
-            from pretrainer.recipe.stages import branch_decay_recipe
+            from pretrainer.recipe.stages import BRANCH_CHANGES, branch_decay_recipe
 
             if not args.decay_steps or not args.output_dir:
                 raise PretrainerError("--branch-decay-from needs --decay-steps N and a new --output-dir")
             recipe = branch_decay_recipe(recipe, read_meta(args.branch_decay_from)["step"], args.decay_steps)
-            resume, allow = args.branch_decay_from, True
+            resume, allow = args.branch_decay_from, args.allow_recipe_change or BRANCH_CHANGES
         Trainer(
             recipe,
             args.output_dir,

@@ -270,7 +270,7 @@ def test_export_any_checkpoint(reference, tmp_path):
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
-def test_wsd_branch_decay_and_extension(reference, tmp_path, cache_dir):
+def test_wsd_branch_decay_and_extension(reference, tmp_path, cache_dir, capsys):
     ckpt = ck.list_checkpoints(reference / "checkpoints")[0].path  # step 32, stable phase
     before = {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()}
     out = tmp_path / "decay"
@@ -280,6 +280,13 @@ def test_wsd_branch_decay_and_extension(reference, tmp_path, cache_dir):
     assert max(lrs) == 38
     assert lrs[35] < 1e-2 and lrs[38] < lrs[35]  # decaying after the branch point
     assert {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()} == before  # original untouched
+    # a branch that changes more than its decay (here the LR) would branch another run: refused, the key named
+    other = tmp_path / "other-lr"
+    rc = run_recipe.main(
+        cli(other, cache_dir, "--branch-decay-from", str(ckpt), "--decay-steps", "6", "--set", "optimizer.lr=0.02")
+    )
+    assert rc != 0 and "optimizer.lr" in capsys.readouterr().err
+    assert not list(other.glob("checkpoints/step_*"))  # refused before a step was trained
     # lengthen the stable phase: resume the finished run with more steps
     import shutil
 

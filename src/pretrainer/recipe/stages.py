@@ -10,7 +10,25 @@ from ..errors import RecipeError
 from .plan import StageSpan, stage_at
 from .schema import Recipe
 
-__all__ = ["StageSpan", "stage_at", "stage_spans", "total_steps", "grad_accum_steps", "branch_decay_recipe"]
+__all__ = [
+    "StageSpan",
+    "stage_at",
+    "stage_spans",
+    "total_steps",
+    "grad_accum_steps",
+    "branch_decay_recipe",
+    "BRANCH_CHANGES",
+]
+
+BRANCH_CHANGES = (
+    "stages",
+    "schedule.decay_fraction",
+    "schedule.decay_stage",
+    "schedule.decay_shape",
+    "schedule.min_lr_ratio",
+)
+"""What a branch decay may change of its parent's recipe: where the run ends and how it decays. Anything else (the
+LR, the model, the data) would branch another run than the checkpoint's, silently."""
 
 
 def stage_spans(recipe: Recipe) -> list[StageSpan]:

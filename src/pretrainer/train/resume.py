@@ -50,21 +50,32 @@ def check_data(path: Path, keys: dict[str, str], allow_change: bool, log) -> Non
     log.event(ev.DATA_CHANGE, meta["step"], differences=diffs)
 
 
-def check_compatible(path: Path, recipe: dict, allow_change: bool, log, run_dir: Path, is_main: bool) -> None:
-    """Refuse a checkpoint that the current recipe cannot continue, unless the change is allowed; an allowed change
-    is logged and the checkpoint's recipe kept beside the run's as `recipe.step_N.yaml`.
+def check_compatible(
+    path: Path, recipe: dict, allow_change: bool | tuple[str, ...], log, run_dir: Path, is_main: bool
+) -> None:
+    """Refuse a checkpoint that the current recipe cannot continue, unless the change is allowed (True: any; a tuple
+    of key prefixes: those only, as a branch decay may change its stages and schedule and nothing else); an allowed
+    change is logged and the checkpoint's recipe kept beside the run's as `recipe.step_N.yaml`.
 
     Raises:
-        PretrainerError: the recipe changed what is trained and `--allow-recipe-change` was not given.
+        PretrainerError: the recipe changed what is trained beyond what is allowed.
     """
     meta = read_meta(path)
     if not (diffs := training_diff(meta["recipe"], recipe)):
         return
-    if not allow_change:
-        raise PretrainerError(
-            f"--resume {path}: the recipe changed since this checkpoint; pass --allow-recipe-change to accept:\n  "
-            + "\n  ".join(diffs)
-        )
+    if allow_change is not True:
+        allowed = tuple(allow_change or ())
+        refused = [d for d in diffs if not (allowed and d.startswith(allowed))]
+        if refused and allowed:
+            raise PretrainerError(
+                f"--branch-decay-from {path}: the branch changes more than its decay ({', '.join(allowed)}); run it "
+                "with the parent run's recipe and overrides, or pass --allow-recipe-change:\n  " + "\n  ".join(refused)
+            )
+        if refused:
+            raise PretrainerError(
+                f"--resume {path}: the recipe changed since this checkpoint; pass --allow-recipe-change to accept:\n  "
+                + "\n  ".join(diffs)
+            )
     log.event(ev.RECIPE_CHANGE, meta["step"], differences=diffs)
     if is_main:
         (Path(run_dir) / f"recipe.step_{meta['step']:08d}.yaml").write_text(yaml.safe_dump(meta["recipe"]))

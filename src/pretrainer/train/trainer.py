@@ -63,7 +63,7 @@ class Trainer:
         output_dir: str | Path | None = None,
         overwrite: bool = False,
         resume: str = "none",
-        allow_recipe_change: bool = False,
+        allow_recipe_change: bool | tuple[str, ...] = False,
         allow_data_change: bool = False,
         deep_verify: bool = False,
     ):
