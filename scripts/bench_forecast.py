@@ -212,15 +212,7 @@ def first_unhealthy(run_dir: Path) -> int | None:
 def cost() -> dict:
     """Fit + forecast on 10,000 points of a cosine run's first half (drawn from the multi-power law), and the
     schedule's handling alone, at 10^4, 10^5 and 10^6 steps."""
-    law = LawFit(
-        LAWS["multipower"],
-        np.array([0.4, 0.0, 0.6, 0.6]),
-        None,
-        np.array([2.0, 3.0, 0.4]),
-        np.ones(1),
-        np.zeros((0, 0)),
-        0.0,
-    )
+    law = LawFit.of("multipower", [0.4, 0.0, 0.6, 0.6], [2.0, 3.0, 0.4])
     out = {}
     for n in (10_000, 100_000, 1_000_000):
         w = n // 100

@@ -15,17 +15,9 @@ from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.schedules import wsd
 
 N, W = 2000, 50
-TRUE = LawFit(LAWS["annealing"], np.array([0.4]), 0.99, np.array([2.0, 3.0, 4e-4]), np.ones(1), np.zeros((0, 0)), 0.0)
+TRUE = LawFit.of("annealing", [0.4], [2.0, 3.0, 4e-4], 0.99)
 """The annealing law with L0 2, A 3, alpha 0.4, C 4e-4, lam 0.99."""
-MPL = LawFit(
-    LAWS["multipower"],
-    np.array([0.4, 0.0, 0.6, 0.6]),
-    None,
-    np.array([2.0, 3.0, 0.4]),
-    np.ones(1),
-    np.zeros((0, 0)),
-    0.0,
-)
+MPL = LawFit.of("multipower", [0.4, 0.0, 0.6, 0.6], [2.0, 3.0, 0.4])
 """The multi-power law with the exponents Luo et al. fitted (beta, gamma ~0.6), C 1, B 0.4."""
 
 
@@ -89,9 +81,7 @@ def test_a_law_that_forecasts_a_negative_loss_is_not_believed():
     training-loss CSV cut at 30%) makes no forecast; below L0 is allowed (a decay gains beyond the constant-LR floor)."""
     lr = schedule("cosine")
     end = basis(lr, W, [N])
-    wild = LawFit(
-        LAWS["annealing"], np.array([0.4]), 0.99, np.array([0.1, 0.1, 1.0]), np.ones(1), np.zeros((0, 0)), 0.0
-    )
+    wild = LawFit.of("annealing", [0.4], [0.1, 0.1, 1.0], 0.99)
     assert wild.predict(end)[0] < 0 and not credible(wild, end)
     assert credible(TRUE, end) and credible(MPL, end) and MPL.predict(end)[0] < MPL.coef[0]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .laws import LAWS, Basis, LawFit, Series, areas_at, basis, fit_law
+from .laws import LAWS, Basis, LawFit, Series, basis, fit_law
 
 Z90 = 1.645
 Z99 = 2.576
@@ -84,12 +84,6 @@ class Curve:
         peak = float(self.lr.max()) if len(self.lr) else 1.0
         fell = np.flatnonzero((self.lr < 0.999 * peak) & (np.arange(len(self.lr)) >= self.warmup))
         return int(np.sum(self.steps > fell[0] + 1)) if len(fell) else 0
-
-
-def areas(lr: np.ndarray, warmup: int, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """(S1, S2) at every step 0..N (index t: after step t). O(N)."""
-    s1, s2 = areas_at(lr, warmup, (lam,), np.arange(len(lr) + 1))
-    return s1, s2[lam]
 
 
 @dataclass
@@ -280,11 +274,6 @@ def credible(lf: LawFit, end: Basis) -> bool:
     extrapolates outside what it means. (Below L0 is allowed: L0 is the floor of the constant-LR curve, and a decay
     gains beyond it.)"""
     return bool(lf.predict(end)[0] > 0.0)
-
-
-def curve_of(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> np.ndarray:
-    """The law's loss at `steps` under the LR sequence `lr`."""
-    return f.chosen.predict(basis(lr, warmup, steps))
 
 
 def predict(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

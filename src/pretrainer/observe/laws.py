@@ -213,8 +213,12 @@ class LawFit:
     """Each curve's residual sd (its measured noise, loss units)."""
     cov: np.ndarray
     """Covariance of (theta, coef) (the delta method)."""
-    cost: float
     at_bound: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, law: str, theta, coef, variant=None) -> LawFit:
+        """A law with given parameters and no fit behind it (curves drawn from it in tests and benchmarks)."""
+        return cls(LAWS[law], np.asarray(theta, float), variant, np.asarray(coef, float), np.ones(1), np.zeros((0, 0)))
 
     @property
     def identified(self) -> bool:
@@ -318,12 +322,12 @@ def fit_law(law: Law, series: list[Series], *, rounds: int = 2) -> LawFit:
         sd = _curve_sd(r, which, len(series))
         z = np.abs(r) / sd[which]
         w = base / sd[which] * np.sqrt(np.minimum(1.0, 1.345 / np.maximum(z, 1e-12)))
-        cost, theta = search(theta, variant, w)
+        _, theta = search(theta, variant, w)
         if len(law.variants) > 1:  # the grid again under the new weights
-            cost, theta, variant = min(((*search(theta, v, w), v) for v in law.variants), key=lambda r: r[0])
+            _, theta, variant = min(((*search(theta, v, w), v) for v in law.variants), key=lambda r: r[0])
     coef, r = solve(theta, variant, w)
     sd = _curve_sd(r, which, len(series))
-    f = LawFit(law, theta, variant, coef, sd, np.zeros((0, 0)), float(np.sum((r * w) ** 2)))
+    f = LawFit(law, theta, variant, coef, sd, np.zeros((0, 0)))
     f.at_bound = [n for n, v, a, b in zip(law.names, theta, lo, hi) if min(v - a, b - v) < 1e-3 * (b - a)]
     f.at_bound += [n for n, v in zip(law.linear, coef) if v <= 0.0]
     # the delta method on the weighted problem (weights 1/sd: the scale is already in them). A shape parameter held
