@@ -240,7 +240,7 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
         found.append(max_step)
         return Path("/ckpts/step_00000010") if max_step >= 10 else None
 
-    def sample_losses(stage, cursor, skips):  # 8 samples per step; the poisoned ones stand out
+    def sample_losses(stage, cursor, skips, step):  # 8 samples per step; the poisoned ones stand out
         idx = list(range(cursor, cursor + 8))
         return idx, [9.0 if i in poisoned else 3.0 + 0.01 * (i % 3) for i in idx]
 
@@ -292,7 +292,7 @@ def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
     and a later rollback to before it does not act on it again."""
     log, rng = Log(), np.random.default_rng(1)
 
-    def sample_losses(stage, cursor, skips):
+    def sample_losses(stage, cursor, skips, step):
         idx = list(range(cursor, cursor + 8))
         return idx, [3.0 + 0.05 * rng.standard_normal() for _ in idx]
 

@@ -71,13 +71,18 @@ def script_parser(doc: str | None, recipe: bool | str = True) -> argparse.Argume
             p.add_argument("recipe", nargs="?", default=recipe, help=f"recipe YAML file (default: {recipe})")
         else:
             p.add_argument("recipe", help="recipe YAML file")
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a recipe field, value parsed as YAML (repeatable)",
-        )
+        add_overrides(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
+
+
+def add_overrides(p: argparse.ArgumentParser, what: str = "a recipe field") -> None:
+    """`--set KEY=VALUE` (repeatable) into `args.overrides`."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override {what}, value parsed as YAML (repeatable)",
+    )

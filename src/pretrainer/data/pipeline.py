@@ -206,21 +206,33 @@ class StageBatches:
                 self.repeats[d.source] += 1
         return rows
 
-    def indices(self, cursor: int, skips: list[tuple[int, int]]) -> tuple[list[int], int]:
-        """The global sample indices of the step starting at `cursor`, and the next cursor."""
-        return next_indices(cursor, self.span.sequences_per_step, skips)
+    def indices(
+        self, cursor: int, skips: list[tuple[int, int]], sequences: int | None = None
+    ) -> tuple[list[int], int]:
+        """The global sample indices of the step starting at `cursor`, and the next cursor. `sequences`: the step's
+        global batch in sequences (default: the stage's first)."""
+        return next_indices(cursor, sequences or self.span.sequences_per_step, skips)
 
-    def step_batches(self, cursor: int, rank: int, world: int, skips: list[tuple[int, int]] | None = None) -> Drawn:
+    def step_batches(
+        self,
+        cursor: int,
+        rank: int,
+        world: int,
+        skips: list[tuple[int, int]] | None = None,
+        sequences: int | None = None,
+    ) -> Drawn:
         """The micro batches this rank trains on for one optimizer step.
 
         Args:
             cursor: the stage's next global sample index.
             skips: this stage's skipped (first, last) sample ranges.
+            sequences: the step's global batch in sequences (a batch schedule changes it; default: the stage's
+                first). The stream of samples is the same at any size: a bigger batch takes the next ones sooner.
 
         Returns:
             the rank's micro batches, the new cursor, and the samples the whole step consumed.
         """
-        idx, new_cursor = self.indices(cursor, skips or [])
+        idx, new_cursor = self.indices(cursor, skips or [], sequences)
         per_rank = len(idx) // world
         mine = idx[rank * per_rank : (rank + 1) * per_rank]
         rows = self.rows_for(mine)

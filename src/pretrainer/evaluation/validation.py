@@ -93,16 +93,34 @@ class Evaluator:
         self.model.train()
         return value
 
+    @torch.no_grad()
+    def batch_losses(self) -> list[float]:
+        """The loss of each fixed `val/ref` batch (every source's, in order), gathered over ranks: paired samples
+        for comparing two sets of weights on the same held-out tokens (`critical_batch.py`)."""
+        acc, model = self.acc, self.model
+        flat = [b for name in self.names for b in self._batches(*self.ref)[name]]
+        out = torch.zeros(len(flat), device=acc.device)
+        model.eval()
+        for k, real in padded_share(len(flat), acc.process_index, acc.num_processes):
+            loss = model(**self.inputs(flat[k].to(acc.device)), use_cache=False).loss.float()
+            if real:
+                out[k] = loss
+        model.train()
+        return acc.reduce(out, reduction="sum").tolist()
+
+    def _batches(self, seq_len: int, micro: int) -> dict[str, list[torch.Tensor]]:
+        if (seq_len, micro) not in self._cache:
+            config = getattr(self.acc.unwrap_model(self.model), "config", None)
+            self._cache[(seq_len, micro)] = validation_batches(
+                self.sources, self.names, seq_len, micro, self.max_batches, getattr(config, "vocab_size", None)
+            )
+        return self._cache[(seq_len, micro)]
+
     def _losses(self, seq_len: int, micro: int) -> dict[str, float]:
         """Split over ranks; every rank runs the same number of forwards (ZeRO-3 gathers parameters inside
         forward, so an uneven count would hang)."""
         acc, model = self.acc, self.model
-        if (seq_len, micro) not in self._cache:
-            config = getattr(acc.unwrap_model(model), "config", None)
-            self._cache[(seq_len, micro)] = validation_batches(
-                self.sources, self.names, seq_len, micro, self.max_batches, getattr(config, "vocab_size", None)
-            )
-        val = self._cache[(seq_len, micro)]
+        val = self._batches(seq_len, micro)
         out, variances = {}, []
         for name in self.names:
             batches = val[name]
@@ -171,12 +189,19 @@ def eval_due(recipe: Recipe, step: int, span) -> tuple[bool, bool]:
 
 @torch.no_grad()
 def sample_losses(
-    accelerator, model, batcher: StageBatches, cursor: int, skips: list[tuple[int, int]], inputs: Inputs = plain_inputs
+    accelerator,
+    model,
+    batcher: StageBatches,
+    cursor: int,
+    skips: list[tuple[int, int]],
+    inputs: Inputs = plain_inputs,
+    sequences: int | None = None,
 ) -> tuple[list[int], list[float]]:
-    """The global sample indices of the step that started at `cursor`, and each sample's mean token loss (gathered
-    over ranks: rank order is sample order)."""
-    idx, _ = batcher.indices(cursor, skips)
-    batches, _, _ = batcher.step_batches(cursor, accelerator.process_index, accelerator.num_processes, skips)
+    """The global sample indices of the step that started at `cursor` (of `sequences` sequences: its batch), and
+    each sample's mean token loss (gathered over ranks: rank order is sample order)."""
+    idx, _ = batcher.indices(cursor, skips, sequences)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    batches, _, _ = batcher.step_batches(cursor, rank, world, skips, sequences)
     mine = []
     for mb in batches:
         x = inputs(mb.to(accelerator.device))

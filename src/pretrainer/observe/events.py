@@ -53,6 +53,12 @@ STAGE_START = _kind(
     "a stage began (its RoPE applied)",
     incident=True,
 )
+BATCH_CHANGE = _kind(
+    "batch_change",
+    ("global_batch_tokens", "grad_accum", "lr_factor", "tokens"),
+    "the global batch changed (`batch.schedule`): a new noise level, so the spike rule restarts its grace",
+    incident=True,
+)
 OPTIMIZER = _kind(
     "optimizer", ("type", "muon", "adamw", "adamw_names"), "which parameters each optimizer steps (at the start)"
 )

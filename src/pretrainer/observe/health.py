@@ -25,6 +25,7 @@ from ..recipe.sections import SpikesSection
 from ..train.spike_replay import lived_episodes, spike_episodes, timeline
 from ..train.spikes import MAD_TO_SD
 from . import events as ev
+from .cbs import measured_lines, read_results
 from .steprecord import Record, read_record
 from .tracking import read_jsonl
 
@@ -210,8 +211,10 @@ def spike_rule(run: dict[str, Any]) -> SpikesSection:
 
 
 def grace_starts(run: dict[str, Any]) -> list[int]:
-    """Where the live spike rule restarted its grace period and forgot its trend: each stage start after step 0."""
-    return [e["step"] for e in run["events"] if e["event"] == ev.STAGE_START and e["step"] > 0]
+    """Where the live spike rule restarted its grace period and forgot its trend: each stage start and each batch
+    change after step 0."""
+    kinds = (ev.STAGE_START, ev.BATCH_CHANGE)
+    return sorted({e["step"] for e in run["events"] if e["event"] in kinds and e["step"] > 0})
 
 
 def warmup_of(run: dict[str, Any]) -> int:
@@ -417,11 +420,17 @@ def _gap(run: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+CBS_KEYS = ("step", "tokens", "batch_tokens", "cbs_tokens", "lo", "hi", "bounded", "suggested")
+"""What check_run's JSON keeps of each critical-batch measurement."""
+
+
 def _gns_summary(run: dict[str, Any]) -> dict[str, Any] | None:
     """The latest gradient noise scale against the global batch."""
     gns = run["train"]["gns"]
     gns = gns[np.isfinite(gns)].tolist()
     gbt = ((run["recipe"] or {}).get("batch") or {}).get("global_batch_tokens")
+    changes = [e for e in run["events"] if e["event"] == ev.BATCH_CHANGE]
+    gbt = changes[-1]["global_batch_tokens"] if changes else gbt  # the batch now, under a batch schedule
     if not (gns and gbt and gns[-1] > 0):
         return None
     ratio = gbt / gns[-1]
@@ -483,6 +492,12 @@ def report(
 
     if gns := _gns_summary(run):
         out["gns"] = gns
+    if measured := read_results(output_dir):
+        train = run["train"]
+        out["critical_batch"] = {
+            "measured": [{k: r[k] for k in CBS_KEYS} for r in measured],
+            "lines": measured_lines(measured, train["step"].tolist(), train["gns"].tolist()),
+        }
     if context := _context(run):
         out["context"] = context
     if downstream := _downstream(run):
@@ -589,6 +604,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"latest verified checkpoint: {c['path']} (step {c['step']})" if c else "no verified checkpoint")
     if "gns" in r:
         lines.append(r["gns"]["summary"])
+    lines += r.get("critical_batch", {}).get("lines", [])
     if "context" in r:
         c = r["context"]
         lines.append(f"context (step {c['step']:,}): {c['verdict']}")

@@ -94,6 +94,15 @@ def summarize(
         "total_tokens": sum(s["tokens"] for s in stages),
         "total_flops": total_flops,
         "stages": stages,
+        "batches": [
+            {
+                "start_step": b.start_step,
+                "start_tokens": b.start_tokens,
+                "global_batch_tokens": b.tokens_per_step,
+                "lr_factor": recipe.plan.lr_scale(b.start_step),
+            }
+            for b in recipe.plan.batches
+        ],
         "lr_at": {str(k): peak * fn(k) for k in lr_steps or []},
         "findings": [f.to_dict() for f in lint(recipe, available, fp8_check(recipe))],
     }
@@ -169,6 +178,13 @@ def format_summary(info: dict[str, Any]) -> str:
             f"{s['name']:<12}{s['start_step']:>10,}{s['steps']:>10,}{s['tokens']:>18,}{s['seq_len']:>9}"
             f"{s['sequences_per_step']:>11}{s['lr_start']:>11.3e}{s['lr_end']:>11.3e}  {mix}"
         )
+    if len(info["batches"]) > 1:
+        lines += ["", "batch schedule (seqs/step above: at each stage's first step):"]
+        for b in info["batches"]:
+            lines.append(
+                f"  from step {b['start_step']:>10,} ({b['start_tokens']:>16,} tokens): "
+                f"{b['global_batch_tokens']:>12,} tokens per step, LR x {b['lr_factor']:.3f}"
+            )
     lines += ["", "tokens drawn per stage and source, against the source's prepared training tokens:"]
     for s in info["stages"]:
         for n, d in s["sources"].items():

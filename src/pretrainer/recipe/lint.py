@@ -39,7 +39,7 @@ def _schedule_rules(recipe: Recipe) -> list[Finding]:
     """Warmup length and clipping."""
     out: list[Finding] = []
     plan, sched = recipe.plan, recipe.schedule
-    total = plan.total_steps
+    total = round(plan.clock(plan.total_steps))  # in steps of the first batch size, as warmup counts them
     warm = sched.warmup_steps
     if warm < min(1000, 0.01 * total):
         out.append(
@@ -122,14 +122,15 @@ def _decay_rules(recipe: Recipe) -> list[Finding]:
     out: list[Finding] = []
     plan, sched, fn = recipe.plan, recipe.schedule, lr_lambda(recipe)
     spans, total = plan.spans, plan.total_steps
-    if plan.decay_steps is not None:
+    if plan.decay_steps is not None:  # its share of the run's tokens (of its steps, for a constant batch)
         decay = plan.decay_steps
-        if decay < 0.05 * total:
+        share = (plan.clock(plan.decay_start + decay) - plan.clock(plan.decay_start)) / plan.clock(total)
+        if share < 0.05:
             out.append(
                 Finding(
                     "PT007",
                     "schedule.decay_fraction" if not sched.decay_stage else "schedule.decay_stage",
-                    f"the WSD decay is {decay} steps, {decay / total:.1%} of the run; decays much shorter than ~10% "
+                    f"the WSD decay is {decay} steps, {share:.1%} of the run; decays much shorter than ~10% "
                     "leave loss on the table.",
                     "decay over ~10-20% of the run.",
                 )
@@ -171,7 +172,7 @@ def _decay_rules(recipe: Recipe) -> list[Finding]:
 
 
 def _operations_rules(recipe: Recipe) -> list[Finding]:
-    """Evaluation, checkpoint cadence and the batch size against the critical batch."""
+    """Evaluation and checkpoint cadence."""
     out: list[Finding] = []
     plan = recipe.plan
     total, total_tokens = plan.total_steps, plan.total_tokens
@@ -225,7 +226,12 @@ def _operations_rules(recipe: Recipe) -> list[Finding]:
                 "set checkpoint.every_minutes: 30.",
             )
         )
+    return out
 
+
+def _batch_rules(recipe: Recipe) -> list[Finding]:
+    """The batch against the critical batch: a constant batch far above it, a schedule that grows past it."""
+    out: list[Finding] = []
     crit = recipe.batch.critical_batch_tokens
     if crit and recipe.batch.global_batch_tokens > 4 * crit:
         out.append(
@@ -236,6 +242,19 @@ def _operations_rules(recipe: Recipe) -> list[Finding]:
                 f"{recipe.batch.global_batch_tokens / crit:.1f}x the estimated critical batch ({crit:,}): beyond it, "
                 "doubling the batch buys little and costs compute.",
                 f"lower the global batch toward ~{crit:,} tokens (or raise it only as the noise scale grows).",
+            )
+        )
+    sched = recipe.batch.schedule or []
+    over = [(i, c) for i, c in enumerate(sched) if i > 0 and crit and c.global_batch_tokens > crit]
+    if over:
+        i, c = over[0]
+        out.append(
+            Finding(
+                "PT022",
+                f"batch.schedule.{i}.global_batch_tokens",
+                f"the schedule grows the batch to {c.global_batch_tokens:,} tokens, above the measured critical batch "
+                f"({crit:,}, batch.critical_batch_tokens): past it, a bigger batch trains no faster per token.",
+                "grow the batch only once scripts/critical_batch.py measures the critical batch above the new size.",
             )
         )
     return out
@@ -365,9 +384,9 @@ def lint(recipe: Recipe, available: dict[str, int] | None = None, fp8_capable: b
             repetition (their size is unknown until they are prepared).
         fp8_capable: whether the machine that runs it has fp8 tensor cores (None: unknown, not judged).
     """
-    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules, _optimizer_rules, _stability_rules)
+    rules = (_schedule_rules, _context_rules, _decay_rules, _operations_rules, _batch_rules, _optimizer_rules)
     return [
-        *(f for rule in rules for f in rule(recipe)),
+        *(f for rule in (*rules, _stability_rules) for f in rule(recipe)),
         *_repetition_rules(recipe, available or {}),
         *_hardware_rules(recipe, fp8_capable),
     ]

@@ -1,5 +1,9 @@
 """Learning-rate schedules as pure functions of the global optimizer step: f(step) -> multiplier of the peak LR.
 
+The formulas read the run's token clock (`RunPlan.clock`: the step itself for a constant batch; under a batch
+schedule, tokens so far in steps of the first size), so a batch change moves no warmup, decay or cosine in tokens;
+the batch's own LR factor (`batch.lr_scaling`) multiplies the result.
+
 Cosine comes from transformers (`get_cosine_with_min_lr_schedule_with_warmup`); WSD is written here. Both are wrapped
 in `LambdaLR`, so only the step is checkpointed and the LR is recomputed on resume.
 """
@@ -74,22 +78,32 @@ def lr_lambda(recipe: Recipe) -> Callable[[int], float]:
     """The recipe's schedule as f(step) -> multiplier, over the whole run (the decay window from its run plan)."""
     s, plan = recipe.schedule, recipe.plan
     if s.type == "cosine":
-        return _transformers_cosine(s.warmup_steps, plan.total_steps, s.min_lr_ratio)
+        f = _transformers_cosine(s.warmup_steps, _clock_total(plan), s.min_lr_ratio)
+    else:
+        kw = _wsd_args(recipe)
+        f = lambda step: wsd(step, **kw)  # noqa: E731
+    if len(plan.batches) == 1:
+        return f
+    return lambda step: f(plan.clock(step)) * plan.lr_scale(step)
 
-    kw = _wsd_args(recipe)
-    return lambda step: wsd(step, **kw)
+
+def _clock_total(plan) -> float:
+    """The run's length on its token clock (its steps, for a constant batch)."""
+    return plan.clock(plan.total_steps)
 
 
 def _wsd_args(recipe: Recipe) -> dict:
-    """`wsd`'s arguments for a recipe: its schedule section and the decay window from its run plan."""
+    """`wsd`'s arguments for a recipe: its schedule section and the decay window from its run plan, on the token
+    clock."""
     s, plan = recipe.schedule, recipe.plan
+    start = plan.clock(plan.decay_start)
     return dict(
         warmup_steps=s.warmup_steps,
-        total_steps=plan.total_steps,
-        decay_steps=plan.decay_steps,
+        total_steps=_clock_total(plan),
+        decay_steps=plan.clock(plan.decay_start + plan.decay_steps) - start,
         decay_shape=s.decay_shape,
         min_lr_ratio=s.min_lr_ratio,
-        decay_start=plan.decay_start,
+        decay_start=start,
     )
 
 
@@ -135,11 +149,20 @@ def lr_array(recipe: Recipe) -> np.ndarray:
     out = np.empty(plan.total_steps)
     for a in range(0, plan.total_steps, LR_CHUNK):  # in pieces: the formulas' temporaries stay small
         steps = np.arange(a, min(a + LR_CHUNK, plan.total_steps))
+        clock = plan.clock(steps)
         if s.type == "cosine":
-            kw = dict(warmup_steps=s.warmup_steps, total_steps=plan.total_steps, min_lr_ratio=s.min_lr_ratio)
-            out[a : a + len(steps)] = cosine_array(steps, **kw)
+            kw = dict(warmup_steps=s.warmup_steps, total_steps=_clock_total(plan), min_lr_ratio=s.min_lr_ratio)
+            out[a : a + len(steps)] = cosine_array(clock, **kw)
         else:
-            out[a : a + len(steps)] = wsd_array(steps, **_wsd_args(recipe))
+            out[a : a + len(steps)] = wsd_array(clock, **_wsd_args(recipe))
+    return _scaled(plan, out)
+
+
+def _scaled(plan, out: np.ndarray) -> np.ndarray:
+    """`out` times each batch phase's LR factor."""
+    for b in plan.batches[1:]:
+        end = next((c.start_step for c in plan.batches if c.start_step > b.start_step), len(out))
+        out[b.start_step : end] *= plan.lr_scale(b.start_step)
     return out
 
 

@@ -88,7 +88,13 @@ class Recipe(Section):
                 raise ValueError(
                     f"schedule.decay_stage: no stage named {self.schedule.decay_stage!r} (stages: {names})"
                 )
-        plan = build_plan(self.batch, self.stages, self.schedule, self.clipping)
+        scaling = self.batch.lr_scaling
+        if scaling is None and self.batch.schedule is not None and self.optimizer.type == "muon":
+            raise ValueError(
+                "batch.lr_scaling: name how Muon's LR follows a batch change (`sqrt`, `linear` or `none`): no "
+                "published rule covers Muon mid-run (AdamW's default is `sqrt`)"
+            )
+        plan = build_plan(self.batch, self.stages, self.schedule, self.clipping, scaling or "sqrt")
         warm = self.schedule.warmup_steps
         if warm >= plan.total_steps:
             raise ValueError(f"schedule.warmup_steps: {warm} is not below the run's {plan.total_steps} steps")

@@ -139,17 +139,80 @@ class DataSection(Section):
         return v
 
 
+class BatchChange(Section):
+    """One entry of `batch.schedule`: from this many tokens on, this global batch."""
+
+    from_tokens: int = Field(ge=0)
+    """The batch changes at the first optimizer step that starts at or after this many tokens."""
+    global_batch_tokens: int = Field(ge=1)
+    """Tokens per optimizer step from then on: an integer multiple of the schedule's first size (the micro batch
+    stays fixed; gradient accumulation grows)."""
+
+
 class BatchSection(Section):
-    """The global batch in tokens (fixed for the run) and the micro batch per device."""
+    """The global batch in tokens (one size, or a schedule in tokens) and the micro batch per device."""
 
     micro_batch_size: int = Field(ge=1)
     """Sequences per device per forward pass, at the first stage's seq_len. Tokens per micro batch stay fixed
     across stages, so a stage at 4x the context runs 1/4 the sequences per micro batch."""
-    global_batch_tokens: int = Field(ge=1)
-    """Tokens per optimizer step over all devices; fixed for the whole run."""
+    global_batch_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per optimizer step over all devices, for the whole run (or the first entry of `schedule`)."""
+    schedule: list[BatchChange] | None = None
+    """A batch that grows with the critical batch: `[{from_tokens: 0, global_batch_tokens: B0}, {from_tokens: T1,
+    global_batch_tokens: B1}, ...]`, the first from token 0, each size an integer multiple of B0. The LR schedule is
+    a function of tokens (steps at B0), so a change moves no stage boundary or decay given in tokens;
+    `scripts/critical_batch.py` measures where the critical batch is."""
+    lr_scaling: Literal["sqrt", "linear", "none"] | None = None
+    """How the LR follows the batch: LR x (B / B0)^p with p = 1/2 (`sqrt`), 1 (`linear`) or 0 (`none`). Default
+    `sqrt` for AdamW (Malladi et al. 2022's square-root rule, as OLMo-core and Merrill et al. 2025 run it); Muon has
+    no published rule for a batch change mid-run, so a Muon recipe with a schedule must name one."""
     critical_batch_tokens: int | None = Field(default=None, ge=1)
-    """The critical batch size when known (e.g. the `gns/b_simple` a previous run logged); the linter warns when the
-    global batch is far above it."""
+    """The critical batch size when known (`scripts/critical_batch.py`, or the `gns/b_simple` a previous run logged,
+    a lower bound); the linter warns when the global batch is far above it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_size(cls, data: Any) -> Any:
+        # the schedule's first size is the run's `global_batch_tokens` (what a constant-batch reader reads)
+        if isinstance(data, dict) and data.get("global_batch_tokens") is None:
+            sched = data.get("schedule")
+            if isinstance(sched, list) and sched and isinstance(sched[0], dict):
+                return {**data, "global_batch_tokens": sched[0].get("global_batch_tokens")}
+        return data
+
+    @model_validator(mode="after")
+    def _one_size_or_a_schedule(self) -> BatchSection:
+        sched = self.schedule
+        if sched is None:
+            if self.global_batch_tokens is None:
+                raise ValueError("set `global_batch_tokens` (or a `schedule` of sizes)")
+            return self
+        if not sched:
+            raise ValueError("schedule: give at least one entry, the first `from_tokens: 0`")
+        first = sched[0].global_batch_tokens
+        if sched[0].from_tokens != 0:
+            raise ValueError(f"schedule.0.from_tokens: the first size starts at 0, not {sched[0].from_tokens}")
+        if self.global_batch_tokens not in (None, first):
+            raise ValueError(
+                f"global_batch_tokens: {self.global_batch_tokens} differs from the schedule's first size {first}; "
+                "give one of them"
+            )
+        for i, (a, b) in enumerate(zip(sched, sched[1:]), start=1):
+            if b.from_tokens <= a.from_tokens:
+                raise ValueError(f"schedule.{i}.from_tokens: {b.from_tokens} is not after {a.from_tokens}")
+            if b.global_batch_tokens % first:
+                raise ValueError(
+                    f"schedule.{i}.global_batch_tokens: {b.global_batch_tokens} is not an integer multiple of the "
+                    f"first size {first} (the micro batch is fixed; only the accumulation grows)"
+                )
+        return self
+
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        """(from_tokens, global_batch_tokens) for the whole run: one entry for a constant batch."""
+        if self.schedule is None:
+            return [(0, self.global_batch_tokens)]
+        return [(c.from_tokens, c.global_batch_tokens) for c in self.schedule]
 
 
 class MuonSection(Section):

@@ -1,7 +1,8 @@
 """The stage map, read off the recipe's run plan: which stage step N is in never depends on trainer state.
 
-The global batch is fixed in tokens for the whole run, so a stage's steps, tokens and sequences per step follow
-from the recipe alone (see plan.py, where they are derived once).
+The global batch (one size or a schedule in tokens) is part of the recipe, so a stage's steps, tokens and
+sequences per step follow from the recipe alone (see plan.py, where they are derived once). Branches of a run
+(a decay, a batch) are recipes derived from it here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ __all__ = [
     "total_steps",
     "grad_accum_steps",
     "branch_decay_recipe",
+    "branch_batch_recipe",
     "BRANCH_CHANGES",
+    "BATCH_BRANCH_CHANGES",
 ]
 
 BRANCH_CHANGES = (
@@ -29,6 +32,11 @@ BRANCH_CHANGES = (
 )
 """What a branch decay may change of its parent's recipe: where the run ends and how it decays. Anything else (the
 LR, the model, the data) would branch another run than the checkpoint's, silently."""
+
+
+BATCH_BRANCH_CHANGES = ("batch.schedule", "batch.global_batch_tokens", "stages")
+"""What a batch branch (`critical_batch.py`) may change: the batch from the branch point on, and the stages
+restated in tokens (so that no boundary moves with the batch)."""
 
 
 def stage_spans(recipe: Recipe) -> list[StageSpan]:
@@ -67,4 +75,27 @@ def branch_decay_recipe(recipe: Recipe, from_step: int, decay_steps: int) -> Rec
     out = Recipe.model_validate(data)
     if out.plan.decay_steps != decay_steps:  # float rounding must not move the decay by a step
         raise RecipeError(f"--decay-steps: {decay_steps} cannot be represented over {total} steps")
+    return out
+
+
+def branch_batch_recipe(recipe: Recipe, from_step: int, factor: int) -> Recipe:
+    """The recipe with the global batch `factor` times the batch at `from_step`, from that step on (no later change
+    of the parent's schedule), on the same token clock: every stage restated in tokens, so the LR at a token count,
+    the stage boundaries and the decay stay where the parent has them, and the LR gets the recipe's
+    `batch.lr_scaling` factor for the new size."""
+    plan = recipe.plan
+    if not 0 < from_step < plan.total_steps:
+        raise RecipeError(f"a batch branch starts inside the run (step 1..{plan.total_steps - 1}), not at {from_step}")
+    at = plan.tokens_before(from_step)
+    sizes = [(b.start_tokens, b.tokens_per_step) for b in plan.batches if b.start_step < from_step]
+    sizes.append((at, factor * plan.batch_at(from_step).tokens_per_step))
+    data = recipe.model_dump(mode="json")
+    data["batch"].update(
+        global_batch_tokens=None,
+        schedule=[{"from_tokens": t, "global_batch_tokens": b} for t, b in sizes],
+    )
+    data["stages"] = [dict(st, steps=None, tokens=span.tokens) for st, span in zip(data["stages"], plan.spans)]
+    out = Recipe.model_validate(data)
+    if out.plan.tokens_before(from_step) != at:  # the branch point is the same step of the same tokens
+        raise RecipeError(f"a batch branch at step {from_step} would start at another token count")
     return out

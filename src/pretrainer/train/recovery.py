@@ -110,7 +110,8 @@ def measured_outliers(
 
 
 SampleLosses = Callable[[int, int, list[tuple[int, int]]], tuple[list[int], list[float]]]
-"""(stage, cursor before the step, the stage's skips) -> (the step's global sample indices, each one's loss)."""
+"""(stage, cursor before the step, the stage's skips, the step) -> (the step's global sample indices, each one's
+loss)."""
 
 
 def read_ledger(output_dir: Path) -> dict | None:
@@ -285,7 +286,8 @@ class SpikeHandler:
         for step in sorted(latest):
             stage, cursor = latest[step]
             if first_step <= step <= last_step or step in refs:
-                idx, per_sample = self.sample_losses(stage, cursor, [(a, b) for s, a, b in skips if s == stage])
+                stage_skips = [(a, b) for s, a, b in skips if s == stage]
+                idx, per_sample = self.sample_losses(stage, cursor, stage_skips, step)
                 if step in refs:
                     ref += per_sample
                 else:

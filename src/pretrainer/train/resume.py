@@ -68,8 +68,8 @@ def check_compatible(
         refused = [d for d in diffs if not (allowed and d.startswith(allowed))]
         if refused and allowed:
             raise PretrainerError(
-                f"--branch-decay-from {path}: the branch changes more than its decay ({', '.join(allowed)}); run it "
-                "with the parent run's recipe and overrides, or pass --allow-recipe-change:\n  " + "\n  ".join(refused)
+                f"branch from {path}: the branch changes more than it may ({', '.join(allowed)}); run it with the "
+                "parent run's recipe and overrides, or pass --allow-recipe-change:\n  " + "\n  ".join(refused)
             )
         if refused:
             raise PretrainerError(

@@ -124,7 +124,8 @@ class Trainer:
         # The noise scale needs one micro batch's own gradient: not available when DeepSpeed/FSDP shard gradients,
         # nor when a step is a single micro batch on a single process.
         plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-        self.gns = GradientNoise(recipe.logging.every_steps) if plain and self.grad_accum > 1 else None
+        accum = max(self.plan.grad_accum(acc.num_processes, b.start_step) for b in self.plan.batches)
+        self.gns = GradientNoise(recipe.logging.every_steps) if plain and accum > 1 else None
         self.average = WeightAverage.for_section(
             recipe.averaging, acc, self.model, recipe.schedule.warmup_steps, recipe.eval.every_steps
         )
@@ -179,6 +180,7 @@ class Trainer:
         self.applied_stage = -1  # stages whose RoPE changes are in the live model
         self.span = None
         self.batcher = None
+        self.phase = None  # the batch phase whose size the accelerator (and DeepSpeed's engine) is set to
         self.last = {}
         self.progress: Progress | None = None
 
@@ -202,8 +204,9 @@ class Trainer:
     def _spike_handler(self) -> SpikeHandler:
         acc = self.accelerator
 
-        def losses(stage, cursor, skips):  # a past step's per-sample losses, for blame (no state changes)
-            return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips, self.inputs)
+        def losses(stage, cursor, skips, step):  # a past step's per-sample losses, for blame (no state changes)
+            sequences = self.plan.batch_at(step - 1).tokens_per_step // self.spans[stage].seq_len
+            return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips, self.inputs, sequences)
 
         alerts = partial(alert, acc, self.recipe.logging.report_to)
         leads = self.layer_stats.leaders if self.layer_stats is not None else None
@@ -247,6 +250,7 @@ class Trainer:
             self._start()
             while self.state.step < self.total_steps:
                 self._enter_stage()
+                self._enter_batch()
                 outcome = self._one_step()
                 if isinstance(decision := self._decide(outcome), Ok):
                     self._periodic(outcome)
@@ -329,23 +333,56 @@ class Trainer:
             long_docs={n: t.n_long for n, t in self.batcher.tables.items() if t.n_long},
         )
 
+    def _enter_batch(self) -> None:
+        """At a batch change (or after a resume or rollback): set the accumulation of this step's batch phase in
+        Accelerate (and DeepSpeed's engine); a change met live restarts the spike rule's grace, like a stage."""
+        st, acc = self.state, self.accelerator
+        phase = self.plan.batch_at(st.step)
+        if phase == self.phase:
+            return
+        self.phase = phase
+        accum = self.plan.grad_accum(acc.num_processes, st.step)
+        if accum != acc.gradient_accumulation_steps:
+            acc.gradient_accumulation_steps = accum
+            acc.step = 0  # Accelerate's micro-batch count: every step boundary is a multiple of the old accumulation
+            if acc.distributed_type == DistributedType.DEEPSPEED:  # its loss scaling and boundary follow its config
+                self.model.set_train_batch_size(
+                    self.model.train_micro_batch_size_per_gpu() * accum * acc.num_processes
+                )
+        if st.step != phase.start_step or st.step == 0:
+            return
+        if self.spikes:
+            self.spikes.start_grace(st.step)
+        if self.skip:
+            self.skip.start_stage()
+        self.log.event(
+            ev.BATCH_CHANGE,
+            st.step,
+            global_batch_tokens=phase.tokens_per_step,
+            grad_accum=accum,
+            lr_factor=self.plan.lr_scale(st.step),
+            tokens=st.tokens,
+        )
+
     def _one_step(self) -> StepOutcome:
         """One optimizer step on the stage's next batches; the run state moves on by one step."""
         st, span, acc = self.state, self.span, self.accelerator
         self.lr = self.scheduler.get_last_lr()[0]
+        size = self.phase.tokens_per_step
         cursor, t0 = st.cursor, time.perf_counter()
-        drawn = self.batcher.step_batches(cursor, acc.process_index, acc.num_processes, st.skips_for(span.index))
+        skips = st.skips_for(span.index)
+        drawn = self.batcher.step_batches(cursor, acc.process_index, acc.num_processes, skips, size // span.seq_len)
         st.cursor = drawn.cursor
         self.window.data_s += time.perf_counter() - t0  # host time building the step's batches: the data wait
         outcome = self.runner(drawn.batches, st.step + 1)
         self.tokens_before = st.tokens
         st.step += 1
-        st.tokens += span.tokens_per_step
-        self.window.add(st.step, outcome.loss, span.tokens_per_step)
+        st.tokens += size
+        self.window.add(st.step, outcome.loss, size)
         observed = outcome.observed
         self.record.observe(st.step, self._epoch(), observed, outcome.applied, span.index, st.tokens)
         if outcome.skipped is not None:  # tier 1: the update was held back, the step's tokens are lost
-            self.skip.lost(st.step, outcome.observed, outcome.skipped, span.tokens_per_step, self.log)
+            self.skip.lost(st.step, outcome.observed, outcome.skipped, size, self.log)
         kill_point(f"step:{st.step}")
         if self.spikes is not None:
             self.spikes.record(st.step, span.index, cursor, outcome.applied)
@@ -389,7 +426,7 @@ class Trainer:
         if acc.is_main_process:  # the ledger (and the open episode) on disk before the replay starts
             write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
-        self.span = None  # re-enter the stage the restored step is in
+        self.span = self.phase = None  # re-enter the stage and batch phase the restored step is in
         self.progress.step(st.step)
 
     def _resume(self) -> Restored | None:
@@ -477,6 +514,7 @@ class Trainer:
             self.window,
             tokens=st.tokens,
             stage=span.name,
+            batch_tokens=self.phase.tokens_per_step,
             lr=self.lr,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             **{f"data/repeats/{n}": c for n, c in self.batcher.repeats.items()},
@@ -488,7 +526,8 @@ class Trainer:
             record["mfu"] = mfu(record["tokens_per_s"], fpt, self.accelerator.num_processes, self.peak)
         if self.gns is not None:
             small = span.micro_batch_size * span.seq_len
-            if (value := self.gns.estimate(self.accelerator, small, span.tokens_per_step, grad_norm)) is not None:
+            big = self.phase.tokens_per_step
+            if big > small and (value := self.gns.estimate(self.accelerator, small, big, grad_norm)) is not None:
                 record["gns/b_simple"] = value
         extra, layer_vectors = self.runner.take_metrics(st.step)
         record.update(extra)

@@ -1,0 +1,129 @@
+"""The critical batch measured at a checkpoint: one short branch per batch size, through the same trainer.
+
+Each branch is its own run directory (`<out>/x<k>`, like `--branch-decay-from`): the parent's recipe with the batch
+`k` times the checkpoint's from that step on (recipe/stages.py `branch_batch_recipe`), resumed from the checkpoint,
+trained for the same tokens, then evaluated on the fixed `val/ref` batches. observe/cbs.py turns the paired losses
+into the estimate; the result is written beside the branches and appended to the parent run's
+`critical_batch.jsonl`, which `check_run.py` reports next to the logged noise scale.
+
+Time: the branches train `tokens` each, so a measurement costs len(factors) x tokens of training; memory: one model
+at a time (each branch is built, trained, evaluated and released before the next).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..checkpoint import read_meta
+from ..errors import RecipeError
+from ..observe.cbs import RESULTS, TOLERANCE, estimate, schedule_line, suggested_size
+from ..recipe.schema import Recipe
+from ..recipe.stages import BATCH_BRANCH_CHANGES, branch_batch_recipe
+from .trainer import Trainer
+
+FACTORS = (1, 2, 4, 8)
+BRANCH_STEPS = 16
+"""Default branch length: this many steps at the largest size (Merrill et al. ran each branch ~2B tokens, a small
+fraction of the run; what matters is that every size sees the same tokens)."""
+
+
+def branch_tokens(recipe: Recipe, step: int, factors, tokens: int | None) -> int:
+    """The tokens every branch trains: `tokens`, or `BRANCH_STEPS` steps at the largest size; checked to fit in
+    what is left of the run.
+
+    Raises:
+        RecipeError: the branches would run past the end of the run.
+    """
+    plan = recipe.plan
+    size = plan.batch_at(step).tokens_per_step
+    want = tokens or BRANCH_STEPS * max(factors) * size
+    left = plan.total_tokens - plan.tokens_before(step)
+    if want > left:
+        raise RecipeError(
+            f"--tokens: branches of {want:,} tokens from step {step} run past the end of the run ({left:,} tokens "
+            "left); branch from an earlier checkpoint or pass fewer --tokens"
+        )
+    return want
+
+
+def measure(
+    checkpoint: str | Path,
+    recipe: Recipe,
+    out_dir: str | Path,
+    factors=FACTORS,
+    tokens: int | None = None,
+    tolerance: float = TOLERANCE,
+) -> dict:
+    """Train and evaluate one branch per factor; the estimate, the suggested schedule and where the branches are.
+
+    Raises:
+        RecipeError: the recipe is not the checkpoint's run (its plan puts another token count at the step), or the
+            branches do not fit the run.
+    """
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    meta = read_meta(checkpoint)
+    step, plan = int(meta["step"]), recipe.plan
+    if plan.tokens_before(step) != int(meta["tokens"]):
+        raise RecipeError(
+            f"{checkpoint}: step {step} holds {meta['tokens']:,} tokens, the recipe's plan {plan.tokens_before(step):,}: "
+            "give the parent run's recipe and overrides"
+        )
+    factors = sorted(set(int(k) for k in factors))
+    if len(factors) < 2 or factors[0] < 1:
+        raise RecipeError(f"--factors: two or more positive integers, got {factors}")
+    size = plan.batch_at(step).tokens_per_step
+    want = branch_tokens(recipe, step, factors, tokens)
+    rows, dirs = [], []
+    for k in factors:
+        branch = branch_batch_recipe(recipe, step, k)
+        steps = math.ceil(want / (k * size))
+        where = out_dir / f"x{k}"
+        trainer = Trainer(
+            branch, where, overwrite=True, resume=str(checkpoint), allow_recipe_change=BATCH_BRANCH_CHANGES
+        )
+        with trainer.rundir.released_after():
+            loop = trainer.steps()
+            for done in loop:
+                if done >= step + steps:
+                    break
+            loop.close()
+            trainer.ckpt.finish()
+            rows.append(trainer.evals.evaluate.batch_losses())
+        trainer.accelerator.end_training()
+        dirs.append(str(where))
+    est = estimate([k * size for k in factors], rows, tolerance)
+    grow = suggested_size(size, est)
+    sizes = [(b.start_tokens, b.tokens_per_step) for b in plan.batches]
+    result = {
+        "checkpoint": str(checkpoint),
+        "step": step,
+        "tokens": int(meta["tokens"]),
+        "batch_tokens": size,
+        "branch_tokens": want,
+        **est.as_dict(),
+        "suggested": schedule_line(sizes, int(meta["tokens"]), grow),
+        "suggested_batch_tokens": grow,
+        "branches": dirs,
+    }
+    return result
+
+
+def record(result: dict, run_dir: str | Path, out_dir: str | Path) -> None:
+    """The result beside the branches and appended to the parent run's `critical_batch.jsonl`."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    with open(Path(run_dir) / RESULTS, "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+def format_result(r: dict) -> list[str]:
+    bound = "" if r["bounded"] else " (every size passed: a lower bound)"
+    rows = ", ".join(f"{s:,}: {v:.4f}" for s, v in zip(r["sizes"], r["losses"]))
+    return [
+        f"critical batch at step {r['step']} ({r['tokens']:,} tokens): {r['cbs_tokens']:,} tokens "
+        f"[{r['lo']:,}, {r['hi']:,}]{bound}; the run's batch {r['batch_tokens']:,}",
+        f"  branches of {r['branch_tokens']:,} tokens, val/ref by size: {rows} (tolerance {r['tolerance']:.1%})",
+        f"  suggested: --set '{r['suggested']}'",
+    ]
