@@ -297,3 +297,33 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
     from pretrainer.checkpoint import list_checkpoints, verify
 
     assert all(verify(c.path) == [] for c in list_checkpoints(out / "checkpoints"))
+
+
+def test_zero_buffers_are_sized_from_the_model_and_a_named_size_is_kept(micro_recipe):
+    """DeepSpeed's default reduce bucket is 5e8 elements (~1 GB in bf16) whatever the model: the trainer sizes it
+    (and ZeRO-3's prefetch and persistence) from the hidden size, unless the launcher's config names one."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from pretrainer.recipe.loading import load_recipe
+    from pretrainer.train.accelerator import configure_deepspeed
+
+    plan = load_recipe(micro_recipe, check_model=False).plan
+
+    def configured(zero: dict) -> dict:
+        ds = {"zero_optimization": zero}
+        plugin = SimpleNamespace(deepspeed_config=ds)
+        acc = SimpleNamespace(
+            distributed_type=DistributedType.DEEPSPEED, state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2
+        )
+        configure_deepspeed(acc, plan, 2, hidden=2048)
+        return ds
+
+    z3 = configured({"stage": 3})["zero_optimization"]
+    assert z3["reduce_bucket_size"] == 2048**2 and z3["stage3_prefetch_bucket_size"] == int(0.9 * 2048**2)
+    assert z3["stage3_param_persistence_threshold"] == 20480
+    z1 = configured({"stage": 1, "reduce_bucket_size": 12345})  # named by the user: kept
+    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 12345}
+    assert z1["train_batch_size"] == 4 * 2 * 2 and z1["gradient_accumulation_steps"] == 2
+    assert configured({"stage": 2, "reduce_bucket_size": "auto"})["zero_optimization"]["reduce_bucket_size"] == 2048**2

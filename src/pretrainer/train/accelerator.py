@@ -88,11 +88,17 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int) -> None:
-    """The recipe, not the launcher config, decides micro batch, accumulation and clipping."""
+def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int, hidden: int | None = None) -> None:
+    """The recipe, not the launcher config, decides micro batch, accumulation and clipping; the model's width sizes
+    ZeRO's buffers (`zero_buffer_sizes`)."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    if hidden:
+        zero = ds.setdefault("zero_optimization", {})
+        for key, value in zero_buffer_sizes(hidden, int(zero.get("stage", 0))).items():
+            if zero.get(key, "auto") == "auto":  # a size the launcher's DeepSpeed config names is kept
+                zero[key] = value
     micro = plan.spans[0].micro_batch_size
     ds["train_micro_batch_size_per_gpu"] = micro
     ds["gradient_accumulation_steps"] = grad_accum
@@ -101,6 +107,18 @@ def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int
     # DeepSpeed's throughput timer synchronises the device at every forward and step (two syncs per micro batch);
     # the loop measures throughput itself
     ds["timers"] = {"throughput": {"enabled": False, "synchronized": False}}
+
+
+def zero_buffer_sizes(hidden: int, stage: int) -> dict[str, int]:
+    """ZeRO's bucket and prefetch sizes from the model's hidden size, as the Hugging Face Trainer's "auto" values:
+    the reduce bucket one hidden x hidden matrix (DeepSpeed's default, 5e8 elements, is a ~1-2 GB buffer whatever
+    the model); under ZeRO-3 the prefetch 0.9 of that, and parameters under 10 x hidden elements (norms, biases)
+    kept whole on every rank instead of gathered at each use."""
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        sizes["stage3_param_persistence_threshold"] = 10 * hidden
+    return sizes
 
 
 def launch_findings(recipe: Recipe, accelerator: Accelerator, vocab: int) -> list[Finding]:

@@ -67,7 +67,7 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     optimizer, fused, assignment = build_optimizer(model, opt)
     if (why := compile_warning(recipe.model.compile, accelerator)) and accelerator.is_main_process:
         print(f"warning: {why}", file=sys.stderr, flush=True)
-    configure_deepspeed(accelerator, plan, grad_accum)
+    configure_deepspeed(accelerator, plan, grad_accum, getattr(config, "hidden_size", None))
     model, optimizer = accelerator.prepare(model, optimizer)
     # Built on the prepared optimizer (whose param groups DeepSpeed and FSDP may have rebuilt); not registered with
     # Accelerate: the LR is a function of the step, which meta.json holds.
