@@ -34,9 +34,10 @@ BRANCH_CHANGES = (
 LR, the model, the data) would branch another run than the checkpoint's, silently."""
 
 
-BATCH_BRANCH_CHANGES = ("batch.schedule", "batch.global_batch_tokens", "stages")
-"""What a batch branch (`critical_batch.py`) may change: the batch from the branch point on, and the stages
-restated in tokens (so that no boundary moves with the batch)."""
+BATCH_BRANCH_CHANGES = ("batch.schedule", "batch.global_batch_tokens", "stages", "run.seed")
+"""What a batch branch (`critical_batch.py`) may change: the batch from the branch point on, the stages restated in
+tokens (so that no boundary moves with the batch), and the seed (another data order from the branch point: the
+branches' own training noise)."""
 
 
 def stage_spans(recipe: Recipe) -> list[StageSpan]:

@@ -23,7 +23,7 @@ from ..model.losses import ZLossLM, install_z_loss
 from ..recipe.plan import RunPlan
 from ..recipe.schedules import lr_lambda
 from ..recipe.schema import Recipe
-from .accelerator import configure_deepspeed
+from .accelerator import configure_deepspeed, weights_from_the_seed
 from .optim import Assignment, build_optimizer
 
 
@@ -51,7 +51,8 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     config = build_config(
         recipe.model, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
-    model = build_model(recipe.model, config)
+    with weights_from_the_seed(accelerator):
+        model = build_model(recipe.model, config)
     if recipe.stability.init == "scaled":  # before any sharding: every rank draws the same weights from the seed
         scale_output_init(model, config.initializer_range)
     zloss = install_z_loss(model, recipe.stability.z_loss)
