@@ -61,3 +61,17 @@ def test_architecture_names_every_module():
         if p.name != "__init__.py" and f"`{p.name}`" not in table
     ]
     assert missing == [], f"modules docs/ARCHITECTURE.md does not name: {missing}"
+
+
+def test_the_launch_table_names_tests_that_exist():
+    """docs/CLUSTER.md's feature x launch table: every test a "yes" points to exists, so a renamed or deleted test
+    turns its cell into a failure here instead of a claim nobody checks."""
+    text = (ROOT / "docs" / "CLUSTER.md").read_text()
+    section = text[text.index("## What each launch supports") : text.index("## What every node must share")]
+    named = re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", section)
+    assert len(named) >= 20
+    missing = [f"{f}::{t}" for f, t in named if f"def {t}(" not in (ROOT / f).read_text()]
+    assert missing == [], missing
+    table = section[section.index("| feature") : section.index("\n\n- ")]
+    defined = set(re.findall(r"\b([A-Z]\d)\s+`tests/", section))
+    assert set(re.findall(r"\b([A-Z]\d)\b", table)) <= defined  # every code a cell uses points to a test
