@@ -46,9 +46,10 @@ def main(argv=None) -> int:
             raise PretrainerError(f"{ckpt}: not a checkpoint of a run directory (RUN/checkpoints/step_N)")
         recipe = load_recipe(resolved, ["logging.report_to=[]", *args.overrides], check_model=False)
         out = Path(args.out) if args.out else run_dir / "critical_batch" / ckpt.name
-        result = measure(ckpt, recipe, out, args.factors, args.tokens, args.tolerance)
-        record(result, run_dir, out)
-        emit_json(result) if args.json else print("\n".join(format_result(result)))
+        result, main = measure(ckpt, recipe, out, args.factors, args.tokens, args.tolerance)
+        if main:  # every rank has the result; one writes and prints it
+            record(result, run_dir, out)
+            emit_json(result) if args.json else print("\n".join(format_result(result)))
         return 0
 
     return run_main(run, debug=args.debug, json_out=args.json)

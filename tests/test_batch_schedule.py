@@ -284,3 +284,34 @@ def test_lint_warns_when_the_schedule_grows_past_the_measured_critical_batch():
     # warmup and decay are judged on the token clock: a branch at 4x the batch does not make warmup "15% of the run"
     branch = branch_batch_recipe(recipe("stages.0.steps=60"), 12, 4)
     assert branch.plan.total_steps == 12 + 12 and not [f for f in lint(branch) if f.id == "PT002"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_critical_batch_runs_its_branches_on_two_processes(two_processes, cache_dir):
+    """Under `accelerate launch` (ZeRO-1) every rank trains each branch in turn, through one process group for all of
+    them; the main process alone records and prints the result."""
+    ref = two_processes["zero1.yaml"]
+    head = [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "accelerate_configs/zero1.yaml",
+        "--num_processes",
+        "2",
+    ]
+    cmd = [
+        sys.executable,
+        *head,
+        "--mixed_precision",
+        "no",
+        "scripts/critical_batch.py",
+        str(ref / "checkpoints" / "step_00000012"),
+    ]
+    cmd += ["--set", f"data.cache_dir={cache_dir}", "--factors", "1", "2", "--tokens", "4096", "--json"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["sizes"] == [1024, 2048]
+    assert len((ref / "critical_batch.jsonl").read_text().splitlines()) == 1

@@ -55,8 +55,9 @@ def measure(
     factors=FACTORS,
     tokens: int | None = None,
     tolerance: float = TOLERANCE,
-) -> dict:
-    """Train and evaluate one branch per factor; the estimate, the suggested schedule and where the branches are.
+) -> tuple[dict, bool]:
+    """Train and evaluate one branch per factor; the estimate, the suggested schedule and where the branches are, and
+    whether this is the main process (the one that records and prints it; every rank computes the same).
 
     Raises:
         RecipeError: the recipe is not the checkpoint's run (its plan puts another token count at the step), or the
@@ -91,8 +92,9 @@ def measure(
             loop.close()
             trainer.ckpt.finish()
             rows.append(trainer.evals.evaluate.batch_losses())
-        trainer.accelerator.end_training()
         dirs.append(str(where))
+    main = trainer.accelerator.is_main_process
+    trainer.accelerator.end_training()  # once: it ends the process group the next branch's Accelerator reuses
     est = estimate([k * size for k in factors], rows, tolerance)
     grow = suggested_size(size, est)
     sizes = [(b.start_tokens, b.tokens_per_step) for b in plan.batches]
@@ -107,7 +109,7 @@ def measure(
         "suggested_batch_tokens": grow,
         "branches": dirs,
     }
-    return result
+    return result, main
 
 
 def record(result: dict, run_dir: str | Path, out_dir: str | Path) -> None:
