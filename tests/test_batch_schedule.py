@@ -315,3 +315,16 @@ def test_critical_batch_runs_its_branches_on_two_processes(two_processes, cache_
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1 and json.loads(lines[0])["sizes"] == [1024, 2048]
     assert len((ref / "critical_batch.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_noise_scale_is_logged_under_ddp_and_off_under_deepspeed(two_processes):
+    """DDP: each rank's first micro batch is a small batch (their squared norms averaged over ranks), the step's
+    all-reduced gradient the big one. At 256-token micro batches the |G|^2 estimate is often negative, and then no
+    value is logged, so some rows have one and some not. ZeRO-1: off (its partitions hold the gradients), so nothing
+    is logged rather than a wrong number."""
+    rows = {c: [m for m in read_jsonl(d / "metrics.jsonl") if "loss" in m] for c, d in two_processes.items()}
+    ddp = [m["gns/b_simple"] for m in rows[None] if "gns/b_simple" in m]
+    assert ddp and all(v > 0 for v in ddp), ddp
+    assert not any("gns/b_simple" in m for m in rows["zero1.yaml"])
