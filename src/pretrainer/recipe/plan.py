@@ -98,6 +98,8 @@ class RunPlan:
         schedule reads. The step itself for a constant batch."""
         if len(self.batches) == 1:
             return steps
+        if isinstance(steps, int | np.integer):  # the loop's LR, once per step: no arrays
+            return self.tokens_before(int(steps)) / self.global_batch_tokens
         arr = np.asarray(steps)
         starts = np.array([b.start_step for b in self.batches])
         i = np.maximum(0, np.searchsorted(starts, arr, side="right") - 1)

@@ -46,6 +46,7 @@ class Built:
 
 
 def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int) -> Built:
+    refuse_muon(recipe, accelerator)  # before building anything
     set_seed(recipe.run.seed)  # the same initial weights on every rank and every run
     tok = tokenizer
     config = build_config(
@@ -58,13 +59,6 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     zloss = install_z_loss(model, recipe.stability.z_loss)
     n_params, n_non_emb = count_params(model), non_embedding_params(model)
     opt = recipe.optimizer
-    if opt.type == "muon" and accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        raise PretrainerError(
-            f"optimizer.type: muon is refused under {accelerator.distributed_type.value}: it shards parameters into "
-            "flat partitions (DeepSpeed) or row shards (FSDP), so a Muon step on them would not orthogonalise whole "
-            "matrices (the failure of DeepSpeed's Muon at ZeRO stage 0, issue 8441); launch with DDP "
-            "(accelerate_configs/ddp.yaml) or one process"
-        )
     optimizer, fused, assignment = build_optimizer(model, opt)
     if (why := compile_warning(recipe.model.compile, accelerator)) and accelerator.is_main_process:
         print(f"warning: {why}", file=sys.stderr, flush=True)
@@ -75,6 +69,20 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     scheduler = RunLR(optimizer, lr_lambda(recipe))
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
     return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss)
+
+
+def refuse_muon(recipe: Recipe, accelerator) -> None:
+    """Muon needs whole matrices: refused, in one line, where the backend shards them."""
+    if recipe.optimizer.type == "muon" and accelerator.distributed_type in (
+        DistributedType.DEEPSPEED,
+        DistributedType.FSDP,
+    ):
+        raise PretrainerError(
+            f"optimizer.type: muon is refused under {accelerator.distributed_type.value}: it shards parameters into "
+            "flat partitions (DeepSpeed) or row shards (FSDP), so a Muon step on them would not orthogonalise whole "
+            "matrices (the failure of DeepSpeed's Muon at ZeRO stage 0, issue 8441); launch with DDP "
+            "(accelerate_configs/ddp.yaml) or one process"
+        )
 
 
 class RunLR(torch.optim.lr_scheduler.LambdaLR):
