@@ -328,3 +328,19 @@ def test_the_noise_scale_is_logged_under_ddp_and_off_under_deepspeed(two_process
     ddp = [m["gns/b_simple"] for m in rows[None] if "gns/b_simple" in m]
     assert ddp and all(v > 0 for v in ddp), ddp
     assert not any("gns/b_simple" in m for m in rows["zero1.yaml"])
+
+
+def test_inspect_recipe_shows_the_batch_phases(capsys):
+    import inspect_recipe
+
+    grow = "batch.schedule=[{from_tokens: 0, global_batch_tokens: 8192}, {from_tokens: 600000, global_batch_tokens: 32768}]"
+    assert inspect_recipe.main(["recipes/tiny.yaml", "--set", grow, "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert [(b["start_step"], b["global_batch_tokens"]) for b in info["batches"]] == [(0, 8192), (74, 32768)]
+    assert info["batches"][1]["lr_factor"] == pytest.approx(2.0)  # sqrt(4)
+    assert inspect_recipe.main(["recipes/tiny.yaml", "--set", grow]) == 0
+    text = capsys.readouterr().out
+    assert "from step         74 (         606,208 tokens):       32,768 tokens per step, LR x 2.000" in text
+    # a launch the sizes do not all divide over: refused, naming the counts every size divides over
+    assert inspect_recipe.main(["recipes/tiny.yaml", "--set", grow, "--gpus", "4"]) == 2
+    assert "valid counts: 1, 2" in capsys.readouterr().err
