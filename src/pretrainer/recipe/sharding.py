@@ -15,7 +15,8 @@ and an all-gather; an all-gather its output; a reduce-scatter its input); on the
 - ZeRO-3 gathers the weights at every micro batch's forward and reduce-scatters the gradients at every backward; a
   layer's weights are gathered again in backward only when more than `stage3_max_reuse_distance` (DeepSpeed's 1e9
   elements) were fetched since its forward. Up to `stage3_max_live_parameters` (1e9) stay gathered, and its reduce
-  bucket (`reduce_bucket_size`, 5e8 elements: the launch configs leave DeepSpeed's defaults) is allocated whole.
+  bucket is allocated whole: hidden x hidden elements, as the trainer sizes it (`zero_buffer_sizes`; DeepSpeed's
+  own default, 5e8 elements, was a 2 GB buffer on the CPU probe whatever the model).
 - FSDP2 (reshard after forward) gathers each layer in forward and again in backward at every micro batch; with
   accumulation the gradients are reduced at the last micro batch, the others accumulate unsharded bf16 gradients.
 
@@ -41,7 +42,20 @@ LAUNCH = {
     "fsdp2": "accelerate_configs/fsdp.yaml",
 }
 DS_MAX_LIVE = DS_MAX_REUSE = 10**9
-DS_REDUCE_BUCKET = 5 * 10**8
+
+
+def zero_buffer_sizes(hidden: int, stage: int) -> dict[str, int]:
+    """ZeRO's bucket and prefetch sizes from the model's hidden size, as the Hugging Face Trainer's "auto" values:
+    the reduce bucket one hidden x hidden matrix (DeepSpeed's default, 5e8 elements, is a ~1-2 GB buffer whatever
+    the model); under ZeRO-3 the prefetch 0.9 of that, and parameters under 10 x hidden elements (norms, biases)
+    kept whole on every rank instead of gathered at each use."""
+    sizes = {"reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        sizes["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        sizes["stage3_param_persistence_threshold"] = 10 * hidden
+    return sizes
+
+
 HEADROOM = 0.9
 """The share of a GPU's memory a plan may fill (the allocator's fragmentation, NCCL's buffers, the CUDA context)."""
 
@@ -135,7 +149,7 @@ def footprint(
         state = int((4 + 4 + moments) * p / w)
         live = lp * min(p, DS_MAX_LIVE)
         comm = g * (lp * p + lp * _regathered(shape) + lp * p)
-        bucket = lp * DS_REDUCE_BUCKET
+        bucket = lp * zero_buffer_sizes(shape.hidden, 3)["reduce_bucket_size"]
         return Footprint(option, lp * p // w, live, lp * p // w, state, avg // w, bucket, act, comm)
     if option == "fsdp2":
         gathered = 2 * lp * shape.layer_params  # the layer running and the one prefetched

@@ -16,7 +16,7 @@ from ..observe.tracking import tracker_setup
 from ..recipe.lint import Finding
 from ..recipe.plan import RunPlan
 from ..recipe.schema import Recipe
-from ..recipe.sharding import footprints, sharding_findings
+from ..recipe.sharding import footprints, sharding_findings, zero_buffer_sizes
 from ..runtime import fp8_capable
 
 
@@ -131,18 +131,6 @@ def weights_from_the_seed(accelerator: Accelerator):
         yield
     finally:
         plugin.set_deepspeed_weakref()  # transformers' ZeRO-3 paths (gathering for a save) see the config again
-
-
-def zero_buffer_sizes(hidden: int, stage: int) -> dict[str, int]:
-    """ZeRO's bucket and prefetch sizes from the model's hidden size, as the Hugging Face Trainer's "auto" values:
-    the reduce bucket one hidden x hidden matrix (DeepSpeed's default, 5e8 elements, is a ~1-2 GB buffer whatever
-    the model); under ZeRO-3 the prefetch 0.9 of that, and parameters under 10 x hidden elements (norms, biases)
-    kept whole on every rank instead of gathered at each use."""
-    sizes = {"reduce_bucket_size": hidden * hidden}
-    if stage == 3:
-        sizes["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
-        sizes["stage3_param_persistence_threshold"] = 10 * hidden
-    return sizes
 
 
 def launch_findings(recipe: Recipe, accelerator: Accelerator, vocab: int) -> list[Finding]:
