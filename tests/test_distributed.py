@@ -103,11 +103,13 @@ def z3_ref(tmp_path_factory, cache_dir):
 
 
 def continues(a: dict, b: dict, first: int) -> None:
-    """`b` resumed `a`'s run at step `first` with another number of processes: the steps right after the resume
-    agree to float rounding (no jump), and the rest stay within the drift that one rounding difference grows into
-    at this learning rate (measured: <= 7e-5 by step 30)."""
-    assert max(abs(a[k] - b[k]) for k in range(first, first + 4)) <= 1e-6
-    assert max(abs(a[k] - b[k]) for k in range(first, 31)) <= 1e-3
+    """`b` resumed `a`'s run at step `first` with another number of processes: the first step after the resume
+    agrees to float rounding (the same weights and batch: no jump), and the rest stay within the bar every launch
+    meets against one process (1e-3 relative, test_every_launch_trains_the_same_run): another world size reduces the
+    gradients in another order, and Adam at this LR grows that into 3e-5 after one update and 2e-4 relative by step
+    30 (measured 2 -> 1 processes under ZeRO-3)."""
+    assert abs(a[first] - b[first]) <= 1e-6
+    assert max(abs(a[k] - b[k]) / a[k] for k in range(first, 31)) <= 1e-3
 
 
 def resumed_from(ref: Path, out: Path, step: int) -> None:
