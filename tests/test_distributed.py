@@ -16,8 +16,10 @@ from pretrainer.observe.tracking import read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(config: str, out: Path, cache_dir: Path, *extra: str, processes: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+def launch(
+    config: str, out: Path, cache_dir: Path, *extra: str, processes: int = 2, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [
         sys.executable,
         "-m",

@@ -1,6 +1,7 @@
 """Muon as a recipe optimizer: the split, one optimizer object over both kinds, proof that it orthogonalises (and a
 run that stops when it does not), exact resume, DDP equal to one process, and the refusal where it cannot run."""
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import OptimizerSection
 from pretrainer.train.build import build
+from pretrainer.train.ds_muon import build_deepspeed_muon
 from pretrainer.train.optim import MuonAdamW, build_optimizer, split_for_muon
 from pretrainer.train.probe import OptimizerProbe
 
@@ -81,13 +83,44 @@ def test_probe_tells_muon_from_adamw():
     assert errs["muon"] < 0.35 < 0.5 < errs["adamw"], errs
 
 
-def test_refused_under_deepspeed_and_fsdp_with_one_line():
+def test_refused_under_fsdp_and_zero3_with_one_line():
     recipe = load_recipe("tests/fixtures/micro.yaml", ["optimizer.type=muon"])
     tok = type("Tok", (), {"eos_token_id": 0, "pad_token_id": 0, "__len__": lambda self: 512})()
-    for kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        acc = SimpleNamespace(distributed_type=kind)
-        with pytest.raises(PretrainerError, match=f"refused under {kind.value}: .* launch with DDP"):
-            build(recipe, acc, tok, recipe.plan, 1)
+
+    def launch(kind, stage=None):
+        plugin = SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
+
+    with pytest.raises(PretrainerError, match="refused under FSDP: .* launch with DeepSpeed ZeRO-1/2"):
+        build(recipe, launch(DistributedType.FSDP), tok, recipe.plan, 1)
+    for stage in (0, 3):
+        with pytest.raises(PretrainerError, match=f"under DeepSpeed ZeRO-{stage} is refused: .* ZeRO-1 or ZeRO-2"):
+            build(recipe, launch(DistributedType.DEEPSPEED, stage), tok, recipe.plan, 1)
+
+
+def test_deepspeed_muon_groups_follow_torchs_lr_rule():
+    """DeepSpeed scales a matrix's update by sqrt(max(1, A/B)); each group's LR factor makes it torch's rule, and its
+    weight decay keeps torch's `1 - lr * wd` (the unadjusted LR)."""
+    from torch.optim._muon import _adjust_lr
+
+    model = tiny(tie=False)
+    section = OptimizerSection(type="muon", lr=1e-3)
+    opt, _, assign = build_deepspeed_muon(model, section, 1)
+    groups = [g for g in opt.param_groups if g["use_muon"]]
+    assert sum(len(g["params"]) for g in groups) == len(assign.muon) and all(
+        p.use_muon for g in groups for p in g["params"]
+    )
+    for g in groups:
+        for p in g["params"]:
+            a, b = p.shape
+            builtin = math.sqrt(max(1, a / b))
+            assert g["lr"] * builtin == pytest.approx(_adjust_lr(1e-3, "match_rms_adamw", p.shape))
+            assert g["lr"] * g["weight_decay"] == pytest.approx(1e-3 * section.muon.weight_decay)
+            assert g["ns_method"] == "standard" and g["momentum"] == section.muon.momentum
+    rest = [p for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    assert len(rest) == len(assign.adamw) and not any(p.use_muon for p in rest)
+    with pytest.raises(PretrainerError, match="nesterov: False, ns_steps: 5 are not available"):
+        build_deepspeed_muon(model, OptimizerSection(type="muon", lr=1e-3, muon={"nesterov": False}), 2)
 
 
 SETS = ["checkpoint.every_tokens=8192", "eval.every_steps=0", "optimizer.type=muon"]
@@ -161,3 +194,80 @@ def test_a_one_process_muon_checkpoint_resumes_on_two_processes(muon_ref, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = step_losses(muon_ref), step_losses(out)
     assert max(abs(a[k] - b[k]) for k in range(17, 31)) < 2e-3
+
+
+def ds_muon(out: Path, cache_dir, config: str, *args, processes: int = 2, env=None):
+    from test_distributed import launch
+
+    sets = [a for s in SETS for a in ("--set", s)]
+    return launch(config, out, cache_dir, *sets, *args, processes=processes, env=env)
+
+
+def same_run_as_one_process(ref: Path, out: Path) -> None:
+    """Losses within the DDP bar of one-process Muon; the logged norm is the gradient's (DeepSpeed's own order logs
+    the orthogonalised update's, ~28 on this model against ~1); every logging step proves the orthogonalisation."""
+    a, b = step_losses(ref), step_losses(out)
+    assert a.keys() == b.keys() and max(abs(a[k] - b[k]) for k in a) < 2e-3, {k: (a[k], b[k]) for k in list(a)[-3:]}
+    norms = [
+        {m["step"]: m["grad_norm"] for m in read_jsonl(d / "metrics.jsonl") if "grad_norm" in m} for d in (ref, out)
+    ]
+    assert norms[0].keys() == norms[1].keys() and len(norms[0]) >= 6
+    assert all(abs(norms[1][k] / norms[0][k] - 1) < 1e-2 for k in norms[0]), norms
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "optim/muon/ortho_err" in m]
+    assert len(rows) == 6 and all(r["optim/muon/ortho_err"] < 0.5 for r in rows)
+
+
+@pytest.mark.distributed
+def test_deepspeed_muon_on_one_process_equals_plain_muon(muon_ref, tmp_path, cache_dir):
+    """DeepSpeed's Muon inside ZeRO-1 (here one rank holds every partition), our split, torch's LR rule, gradient
+    clipping before the momentum: the run plain Muon trains. Two processes and ZeRO-2 are the slow variations."""
+    out = tmp_path / "z1"
+    proc = ds_muon(out, cache_dir, "zero1.yaml", processes=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "checkpoints/step_00000030/zero_to_fp32.py").exists()  # a DeepSpeed checkpoint: it ran under ZeRO
+    same_run_as_one_process(muon_ref, out)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # a variation of the one-process DeepSpeed Muon run above: partitions split across two ranks
+@pytest.mark.parametrize("config", ["zero1.yaml", "zero2.yaml"])
+def test_deepspeed_muon_on_two_processes_equals_one_process(muon_ref, tmp_path, cache_dir, config):
+    out = tmp_path / "run"
+    proc = ds_muon(out, cache_dir, config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert next(e for e in read_jsonl(out / "events.jsonl") if e["event"] == "run_start")["world"] == 2
+    same_run_as_one_process(muon_ref, out)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # exact resume's representative is tests/test_checkpoint.py; this is DeepSpeed Muon's state
+def test_deepspeed_muon_resumes_exactly(tmp_path, cache_dir):
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    assert ds_muon(ref, cache_dir, "zero1.yaml").returncode == 0
+    assert ds_muon(out, cache_dir, "zero1.yaml", env={"PRETRAINER_KILL_AT": "step:13"}).returncode != 0
+    proc = ds_muon(out, cache_dir, "zero1.yaml", "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert step_losses(out) == step_losses(ref)  # the momentum buffers and AdamW's moments came back exactly
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # skip-step under DeepSpeed's representative is tests/test_stability.py; this is Muon's norm
+def test_deepspeed_muon_gradient_fault_is_skipped_on_the_gradients_norm(tmp_path, cache_dir):
+    """A x1000 gradient at step 72: the gate judges the gradients' norm (DeepSpeed's own would be the update's,
+    which a x1000 gradient barely moves), so the step is skipped and no weight moves, Muon matrices included."""
+    from test_distributed import launch
+    from test_stability import FAULT
+
+    from pretrainer.checkpoint import list_checkpoints
+    from pretrainer.checkpoint.export import export_checkpoint
+
+    out = tmp_path / "run"
+    sets = ["optimizer.type=muon", "stages.0.steps=72", "eval.every_steps=0", f"checkpoint.every_tokens={71 * 1024}"]
+    proc = launch("zero1.yaml", out, cache_dir, *(a for s in [*sets, FAULT] for a in ("--set", s)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "skipped_update"]
+    assert [(e["step"], e["reason"]) for e in skipped] == [(72, "grad_norm")]
+    before = next(c.path for c in list_checkpoints(out / "checkpoints") if c.meta["step"] == 71)
+    export_checkpoint(before, tmp_path / "hf")
+    a, b = load_file(str(tmp_path / "hf/model.safetensors")), load_file(str(out / "final/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the skipped step moved no weight

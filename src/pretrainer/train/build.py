@@ -24,6 +24,7 @@ from ..recipe.plan import RunPlan
 from ..recipe.schedules import lr_lambda
 from ..recipe.schema import Recipe
 from .accelerator import configure_deepspeed, weights_from_the_seed
+from .ds_muon import GradientFirst, build_deepspeed_muon, probe_items
 from .optim import Assignment, build_optimizer
 
 
@@ -43,6 +44,9 @@ class Built:
     """Which parameters each optimizer steps (all on AdamW unless `optimizer.type: muon`)."""
     zloss: ZLossLM | None = None
     """The model's z-loss (`stability.z_loss` > 0), for logging `loss/z`."""
+    probed: list | None = None
+    """(parameter, optimizer group) pairs Muon's probe samples where the optimizer holds flat partitions (DeepSpeed);
+    None: the optimizer's own groups."""
 
 
 def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int) -> Built:
@@ -59,30 +63,49 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     zloss = install_z_loss(model, recipe.stability.z_loss)
     n_params, n_non_emb = count_params(model), non_embedding_params(model)
     opt = recipe.optimizer
-    optimizer, fused, assignment = build_optimizer(model, opt)
+    stage = zero_stage(accelerator)
+    if opt.type == "muon" and stage is not None:
+        optimizer, fused, assignment = build_deepspeed_muon(model, opt, stage)
+    else:
+        optimizer, fused, assignment = build_optimizer(model, opt)
     if (why := compile_warning(recipe.model.compile, accelerator)) and accelerator.is_main_process:
         print(f"warning: {why}", file=sys.stderr, flush=True)
     configure_deepspeed(accelerator, plan, grad_accum, getattr(config, "hidden_size", None))
     model, optimizer = accelerator.prepare(model, optimizer)
+    probed = None
+    if opt.type == "muon" and stage is not None:
+        GradientFirst(model.optimizer)  # before skip-step's gate wraps the same norm (the gate then reads this one)
+        probed = probe_items(model)
     # Built on the prepared optimizer (whose param groups DeepSpeed and FSDP may have rebuilt); not registered with
     # Accelerate: the LR is a function of the step, which meta.json holds.
     scheduler = RunLR(optimizer, lr_lambda(recipe))
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
-    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss)
+    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss, probed)
 
 
 def refuse_muon(recipe: Recipe, accelerator) -> None:
-    """Muon needs whole matrices: refused, in one line, where the backend shards them."""
-    if recipe.optimizer.type == "muon" and accelerator.distributed_type in (
-        DistributedType.DEEPSPEED,
-        DistributedType.FSDP,
-    ):
+    """Muon needs whole matrices: refused, in one line, where the backend shards them and nothing gathers them."""
+    if recipe.optimizer.type == "muon" and accelerator.distributed_type == DistributedType.FSDP:
         raise PretrainerError(
             f"optimizer.type: muon is refused under {accelerator.distributed_type.value}: it shards parameters into "
-            "flat partitions (DeepSpeed) or row shards (FSDP), so a Muon step on them would not orthogonalise whole "
-            "matrices (the failure of DeepSpeed's Muon at ZeRO stage 0, issue 8441); launch with DDP "
+            "row shards, so a Muon step on them would not orthogonalise whole matrices (no owner-rank gather is "
+            "built); launch with DeepSpeed ZeRO-1/2 (accelerate_configs/zero1.yaml), DDP "
             "(accelerate_configs/ddp.yaml) or one process"
         )
+    stage = zero_stage(accelerator)
+    if recipe.optimizer.type == "muon" and stage is not None and stage not in (1, 2):
+        raise PretrainerError(
+            f"optimizer.type: muon under DeepSpeed ZeRO-{stage} is refused: ZeRO-3's Muon gathers whole matrices "
+            "round-robin and needs reduce_scatter: false, which is not wired here (and stage 0 trains plain SGD, "
+            "DeepSpeed issue 8441); launch with ZeRO-1 or ZeRO-2 (accelerate_configs/zero1.yaml)"
+        )
+
+
+def zero_stage(accelerator) -> int | None:
+    """The DeepSpeed ZeRO stage of this launch (None when not under DeepSpeed)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
 class RunLR(torch.optim.lr_scheduler.LambdaLR):

@@ -23,13 +23,15 @@ SAMPLES = 4
 
 
 class OptimizerProbe:
-    def __init__(self, optimizer, every_steps: int, expect_muon: bool):
+    def __init__(self, optimizer, every_steps: int, expect_muon: bool, items: list | None = None):
+        """items: (parameter, optimizer group) pairs to sample from, where the optimizer's own parameters are flat
+        partitions (DeepSpeed: the module's whole matrices, ds_muon.probe_items); default the optimizer's groups."""
         self.every, self.expect_muon = every_steps, expect_muon
-        inner = innermost_optimizer(optimizer)
+        if items is None:
+            items = [(p, g) for g in innermost_optimizer(optimizer).param_groups for p in g["params"]]
         self.kinds: dict[str, list[tuple[torch.Tensor, dict]]] = {}
-        for g in inner.param_groups:
-            kind = "muon" if g.get("use_muon") else "adamw"
-            self.kinds.setdefault(kind, []).extend((p, g) for p in g["params"])
+        for p, g in items:
+            self.kinds.setdefault("muon" if g.get("use_muon") else "adamw", []).append((p, g))
         for kind, items in self.kinds.items():  # a few tensors spread over the model, the largest kind first
             step = max(1, len(items) // SAMPLES)
             self.kinds[kind] = items[::step][:SAMPLES]

@@ -101,6 +101,9 @@ class StepRunner:
                     self.gate.arm(acc.reduce(loss_sum / len(batches), "mean"), self.skip.limits())
                 for h in hooks:
                     loss = h.backward_loss(loss)
+                if self.deepspeed and acc.sync_gradients:  # before the engine steps; applied or not is read after
+                    for h in hooks:
+                        h.before_update(True)
                 acc.backward(loss)
                 for h in hooks:
                     h.after_backward(k, len(batches))
@@ -114,6 +117,8 @@ class StepRunner:
             h.end(step)
         if self.deepspeed:
             grad_norm, observed, skipped = self._after_deepspeed(loss)
+            for h in reversed(hooks):
+                h.after_update(step, skipped is None)
         return StepOutcome(step, loss, grad_norm, observed, skipped is None, skipped)
 
     def _update(self, step: int, loss: torch.Tensor):

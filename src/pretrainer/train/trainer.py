@@ -196,7 +196,9 @@ class Trainer:
         if self.layer_stats is not None:
             hooks.append(LayerHook(self.layer_stats))
         if self.built.assignment.muon:
-            hooks.append(ProbeHook(OptimizerProbe(self.optimizer, recipe.logging.every_steps, True)))
+            hooks.append(
+                ProbeHook(OptimizerProbe(self.optimizer, recipe.logging.every_steps, True, self.built.probed))
+            )
         if self.built.zloss is not None:
             hooks.append(ZLossHook(self.built.zloss, acc.device))
         return hooks
