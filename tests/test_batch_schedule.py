@@ -235,9 +235,9 @@ def launch2(config: str | None, out, cache_dir, *sets, kill_at=None, args=()):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, cache_dir):
-    """The uninterrupted two-process runs, DDP and ZeRO-1, once for the tests below."""
+    """The uninterrupted two-process runs, DDP, ZeRO-1 and ZeRO-2, once for the tests below."""
     refs = {}
-    for config in (None, "zero1.yaml"):
+    for config in (None, "zero1.yaml", "zero2.yaml"):
         out = tmp_path_factory.mktemp(str(config)) / "ref"
         proc = launch2(config, out, cache_dir)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -319,15 +319,26 @@ def test_critical_batch_runs_its_branches_on_two_processes(two_processes, cache_
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_the_noise_scale_is_logged_under_ddp_and_off_under_deepspeed(two_processes):
-    """DDP: each rank's first micro batch is a small batch (their squared norms averaged over ranks), the step's
-    all-reduced gradient the big one. At 256-token micro batches the |G|^2 estimate is often negative, and then no
-    value is logged, so some rows have one and some not. ZeRO-1: off (its partitions hold the gradients), so nothing
-    is logged rather than a wrong number."""
-    rows = {c: [m for m in read_jsonl(d / "metrics.jsonl") if "loss" in m] for c, d in two_processes.items()}
-    ddp = [m["gns/b_simple"] for m in rows[None] if "gns/b_simple" in m]
-    assert ddp and all(v > 0 for v in ddp), ddp
-    assert not any("gns/b_simple" in m for m in rows["zero1.yaml"])
+def test_noise_scale_and_layer_statistics_under_zero_equal_ddp_and_one_process(two_processes, grown):
+    """The small batch is each rank's first micro batch (their squared norms averaged over ranks): under ZeRO-1/2 it
+    is read in the engine's gradient hook before the reduce, and the noise scale equals DDP's. The per-layer
+    statistics read the gradients from ZeRO's partitions (summed over ranks, clipped) and equal one process's on the
+    same batches, as DDP's do. (At 256-token micro batches |G|^2 is sometimes negative, and then no value is
+    logged.)"""
+    gns = {
+        c: {m["step"]: m["gns/b_simple"] for m in read_jsonl(d / "metrics.jsonl") if "gns/b_simple" in m}
+        for c, d in two_processes.items()
+    }
+    assert gns[None] and all(v > 0 for v in gns[None].values()), gns
+    layers = {c: {r["step"]: r for r in read_jsonl(d / "layers.jsonl")} for c, d in two_processes.items()}
+    one = {r["step"]: r for r in read_jsonl(grown / "layers.jsonl")}
+    for config in (None, "zero1.yaml", "zero2.yaml"):
+        assert gns[config].keys() == gns[None].keys(), config
+        assert all(gns[config][k] == pytest.approx(gns[None][k], rel=1e-3) for k in gns[None]), (config, gns)
+        assert layers[config].keys() == one.keys() and len(one) >= 6
+        for step, row in one.items():
+            for stat in ("grad_norm", "update_ratio", "param_norm", "attn_logit_bound"):
+                assert layers[config][step][stat] == pytest.approx(row[stat], rel=1e-3), (config, step, stat)
 
 
 def test_inspect_recipe_shows_the_batch_phases(capsys):

@@ -12,6 +12,9 @@ the paper recommends. With batch sizes in tokens, B_simple is in tokens: an esti
 from __future__ import annotations
 
 import torch
+from accelerate.utils import DistributedType
+
+from .ds_grads import SmallBatchNorm
 
 
 def gns_terms(b_small: float, b_big: float, sq_small: float, sq_big: float) -> tuple[float, float]:
@@ -53,14 +56,22 @@ class GradientNoise:
     """The one owner of the noise-scale measurement in a run: when to measure, the small-batch gradient captured
     inside the step, and the estimate at logging time.
 
-    It needs one micro batch's own gradient, so it runs only where gradients are not sharded (one process, DDP) and a
-    step has more than one micro batch. Measured on logging steps only: the capture costs one norm over all
-    gradients, the estimate one all-reduce and one host read, both off the ordinary steps."""
+    It needs one micro batch's own gradient: on one process and DDP it is in `p.grad` after the first backward;
+    under DeepSpeed ZeRO-1/2 it is read inside ZeRO's gradient hook before the reduce (`source`, ds_grads.py); not
+    under ZeRO-3 or FSDP. A step needs more than one micro batch per rank. Measured on logging steps only: the capture
+    costs one norm over all gradients, the estimate one all-reduce and one host read, both off the ordinary steps."""
 
-    def __init__(self, every_steps: int, beta: float = 0.95):
+    def __init__(self, every_steps: int, beta: float = 0.95, source=None):
         self.every = every_steps
         self.scale = NoiseScale(beta)
         self.small_sq: torch.Tensor | None = None
+        self.source = source
+        """Where the first micro batch's squared norm is read when `p.grad` does not hold it (ds_grads.SmallBatchNorm)."""
+
+    def arm(self) -> None:
+        """Before the first micro batch of a measured step."""
+        if self.source is not None:
+            self.source.arm()
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -68,6 +79,10 @@ class GradientNoise:
     def capture(self, parameters, micro_batches: int) -> None:
         """One micro batch's own squared gradient norm (still local, unsynced), right after its backward: Accelerate
         scaled it by 1/accumulation, so it is scaled back."""
+        if self.source is not None:
+            sq = self.source.take()
+            self.small_sq = sq * micro_batches**2 if sq is not None else None
+            return
         norms = [p.grad.detach().float().norm() for p in parameters if p.grad is not None]
         self.small_sq = (torch.stack(norms).norm() * micro_batches) ** 2
 
@@ -85,3 +100,19 @@ class GradientNoise:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale.load_state_dict(state)
+
+
+def noise_scale_for(recipe, accelerator, model, plan) -> GradientNoise | None:
+    """The run's noise-scale owner, where one micro batch's own gradient can be read: one process and DDP (`p.grad`),
+    DeepSpeed ZeRO-1/2 (its gradient hook, ds_grads.py); None under ZeRO-3 and FSDP (sharded before anything could
+    read it) and when a step is one micro batch per rank (no small batch to compare)."""
+    kind = accelerator.distributed_type
+    accum = max(plan.grad_accum(accelerator.num_processes, b.start_step) for b in plan.batches)
+    if kind == DistributedType.FSDP or accum < 2:
+        return None
+    source = None
+    if kind == DistributedType.DEEPSPEED:
+        if accelerator.state.deepspeed_plugin.zero_stage not in (1, 2):
+            return None
+        source = SmallBatchNorm(model.optimizer)
+    return GradientNoise(recipe.logging.every_steps, source=source)

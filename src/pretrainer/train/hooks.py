@@ -88,6 +88,8 @@ class NoiseHook(StepHook):
 
     def begin(self, step: int) -> None:
         self.now = self.gns.due(step)
+        if self.now:
+            self.gns.arm()
 
     def after_backward(self, k: int, n: int) -> None:
         if self.now and k == 0:

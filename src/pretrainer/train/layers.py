@@ -9,8 +9,9 @@ metrics (`layers/<stat>_max`, `layers/<stat>_argmax`), the vectors to layers.jso
 the layers that moved first before a spike (marin issue 1368: update-norm spikes in the lower layers came first).
 
 Cost: on logging steps only: one fused norm pass over the gradients and the parameters, two gathers of the samples,
-one [layers x 4] transfer. Under FSDP each rank measures its shards and one all-reduce sums them. DeepSpeed keeps
-gradients in its own flat partitions: not measured there (logged once at the start).
+one [layers x 4] transfer. Under FSDP each rank measures its shards and one all-reduce sums them. Under DeepSpeed
+ZeRO-1/2 every rank holds the whole weights, and the gradients are read from the engine's partitions inside its step
+(ds_grads.py); ZeRO-3 is not measured (no `layers/*` metrics).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..model.build import decoder_layers
+from .ds_grads import PartitionLayerGrads
 
 SAMPLE = 256
 """Entries sampled per matrix for the update size."""
@@ -39,12 +41,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class LayerStats:
-    def __init__(self, model: torch.nn.Module, every_steps: int, reduce_sum=None, logits: bool = True):
+    def __init__(
+        self, model: torch.nn.Module, every_steps: int, reduce_sum=None, logits: bool = True, grad_source=None
+    ):
         """Args:
         model: the unwrapped model.
         reduce_sum: sums a device tensor over ranks (FSDP: each rank holds shards); None on one process or DDP.
-        logits: measure the attention-logit bound (off for compiled layers: a hook would recompile them)."""
-        self.every, self.reduce_sum = every_steps, reduce_sum
+        logits: measure the attention-logit bound (off for compiled layers: a hook would recompile them).
+        grad_source: where the per-layer squared gradient norms come from when no parameter holds its gradient
+            (DeepSpeed ZeRO-1/2: ds_grads.PartitionLayerGrads, armed with the step, read after it)."""
+        self.every, self.reduce_sum, self.grad_source = every_steps, reduce_sum, grad_source
         layers = decoder_layers(model)
         self.n = len(layers)
         self.params, owner = [], []
@@ -85,6 +91,8 @@ class LayerStats:
     def arm(self) -> None:
         """Before the forward of a logging step: read q and k of the first micro batch (then the hooks go)."""
         self._qk_max.zero_()
+        if self.grad_source is not None:
+            self.grad_source.arm()
         for i, (q, k) in enumerate(self.qk):
             if q is not None:
                 self._hooks[i] = [
@@ -104,12 +112,13 @@ class LayerStats:
 
     @torch.no_grad()
     def before(self) -> None:
-        """After clipping, before the update: gradient and parameter norms, and the sampled entries."""
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros(1, device=p.device) for p in self.params]
-        g2 = torch.stack(torch._foreach_norm(grads)).square()
+        """After clipping, before the update: gradient and parameter norms, and the sampled entries (with a
+        `grad_source`, the gradients are read inside the engine's step and taken in `after`)."""
         p2 = torch.stack(torch._foreach_norm([_local(p) for p in self.params])).square()
-        self._vectors = torch.zeros(self.n, 2, device=g2.device)
-        self._vectors[:, 0].index_add_(0, self.owner, g2)
+        self._vectors = torch.zeros(self.n, 2, device=p2.device)
+        if self.grad_source is None:
+            grads = [_local(p.grad) if p.grad is not None else torch.zeros(1, device=p.device) for p in self.params]
+            self._vectors[:, 0].index_add_(0, self.owner, torch.stack(torch._foreach_norm(grads)).square())
         self._vectors[:, 1].index_add_(0, self.owner, p2)
         self._before = self._gather()
 
@@ -121,6 +130,8 @@ class LayerStats:
                 h.remove()
         self._hooks.clear()
         new = self._gather()
+        if self.grad_source is not None and (g2 := self.grad_source.take()) is not None:
+            self._vectors[:, 0] = g2  # already summed over ranks: the packed sum below is for FSDP's shards only
         sums = torch.zeros(self.n, 3, device=new.device)  # (sum d^2, sum p^2, count) per layer
         d2 = (new - self._before).square() if applied else torch.zeros_like(new)
         sums[:, 0].index_add_(0, self.sample_owner, d2)
@@ -194,17 +205,26 @@ def _qk_modules(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.n
 
 
 def layer_stats_for(recipe, accelerator, model) -> LayerStats | None:
-    """The recipe's layer statistics for this backend: None when off, under DeepSpeed (its flat partitions hold the
-    gradients), and for a model without decoder layers we recognise; under FSDP each rank's shard sums are added
-    over ranks."""
-    if not recipe.stability.layer_stats or accelerator.distributed_type == DistributedType.DEEPSPEED:
+    """The recipe's layer statistics for this backend: None when off, under ZeRO-3 (its partitioned parameters are
+    not wired), and for a model without decoder layers we recognise; under FSDP each rank's shard sums are added
+    over ranks; under ZeRO-1/2 the gradients are read from the engine's partitions (ds_grads.py)."""
+    if not recipe.stability.layer_stats:
         return None
-    if not decoder_layers(accelerator.unwrap_model(model)):  # a model type without transformers' layer class
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if deepspeed and accelerator.state.deepspeed_plugin.zero_stage not in (1, 2):
         return None
+    layers = decoder_layers(accelerator.unwrap_model(model))
+    if not layers:  # a model type without transformers' layer class
+        return None
+    source = None
+    if deepspeed:
+        layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+        source = PartitionLayerGrads(model.optimizer, layer_of, len(layers))
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     return LayerStats(
         accelerator.unwrap_model(model),
         recipe.logging.every_steps,
         reduce_sum=partial(accelerator.reduce, reduction="sum") if fsdp else None,
         logits=not recipe.model.compile,
+        grad_source=source,
     )

@@ -38,7 +38,7 @@ from .averaging import WeightAverage
 from .build import build
 from .decisions import OK, Abort, Decision, Ok
 from .evals import EvalRound
-from .gns import GradientNoise
+from .gns import noise_scale_for
 from .hooks import FaultHook, LayerHook, NoiseHook, ProbeHook, StepHook, ZLossHook
 from .inject import StepFaults, stage_batches, wants_step_faults
 from .layers import layer_stats_for
@@ -121,11 +121,7 @@ class Trainer:
         self.loss_stats = LossStats()
         attn = acc.unwrap_model(self.model).config._attn_implementation
         self.inputs = model_inputs(recipe.data.document_masking, self.tokenizer.eos_token_id, attn)
-        # The noise scale needs one micro batch's own gradient: not available when DeepSpeed/FSDP shard gradients,
-        # nor when a step is a single micro batch on a single process.
-        plain = acc.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-        accum = max(self.plan.grad_accum(acc.num_processes, b.start_step) for b in self.plan.batches)
-        self.gns = GradientNoise(recipe.logging.every_steps) if plain and accum > 1 else None
+        self.gns = noise_scale_for(recipe, acc, self.model, self.plan)
         self.average = WeightAverage.for_section(
             recipe.averaging, acc, self.model, recipe.schedule.warmup_steps, recipe.eval.every_steps
         )
