@@ -14,6 +14,10 @@ save used to run on the loop before its snapshot.
 `--deepspeed CONFIG`: the trainer itself under `accelerate launch --config_file accelerate_configs/CONFIG` on 2
 processes (the micro recipe at each width x depth, fp32, 4 steps, a checkpoint every 2): DeepSpeed saves are
 synchronous, so the loop waits for the whole save; the checkpoint events' `blocked_s` and bytes, against a step.
+`--ddp`: the same under DDP (`torchrun`, 2 processes), with `checkpoint.async` false and then true: the main process
+snapshots and writes, the NaN/Inf check runs in its writer thread and on the other rank's device, read off the loop.
+
+    python scripts/bench_checkpoint.py --ddp --sizes 256x4,512x8,1024x8
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--single", action="store_true", help="one process, the trainer's CheckpointManager")
     p.add_argument("--deepspeed", metavar="CONFIG", help="the trainer under accelerate_configs/CONFIG, 2 processes")
+    p.add_argument("--ddp", action="store_true", help="the trainer under DDP (torchrun), 2 processes, sync and async")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -178,42 +183,77 @@ def single(args) -> int:
     return 0
 
 
-def deepspeed(args) -> int:
+def trainer_saves(args, d: Path, head: list[str], hidden: int, layers: int, extra: dict) -> tuple[float, float, str]:
+    """The trainer on 2 processes at one size: (median blocked seconds, checkpoint GB, median step time), and with
+    `extra` naming `logging.every_steps: 1` also the median extra time of the step after a save (`trainer_saves.after`:
+    what a rank that is still busy with the save costs the main process at the next step's all-reduce)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    sets = {
+        "data.cache_dir": args.out / "cache",
+        "model.config.hidden_size": hidden,
+        "model.config.intermediate_size": 4 * hidden,
+        "model.config.num_hidden_layers": layers,
+        "stages.0.steps": 6,
+        "checkpoint.every_tokens": 2048,
+        "checkpoint.every_minutes": "null",
+        "eval.every_steps": 0,
+        "precision.mixed": "no",
+        **extra,
+    }
+    cmd = [sys.executable, *head, "scripts/run_recipe.py", "tests/fixtures/micro.yaml", "--output-dir", str(d)]
+    cmd += ["--overwrite", *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
+    subprocess.run(cmd, check=True, env=env, cwd=root, capture_output=True)
+    events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
+    saves = [e for e in events if e["event"] == "checkpoint"]
+    metrics = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    step_s = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
+    blocked = sorted(e["blocked_s"] for e in saves)
+    times = {m["step"]: m["step_time_s"] for m in metrics if "step_time_s" in m}
+    after = {e["step"] + 1 for e in saves} & times.keys()
+    base = sorted(t for k, t in times.items() if k > 1 and k not in after)
+    extra_s = sorted(times[k] - base[len(base) // 2] for k in after) if after and base else [float("nan")]
+    trainer_saves.after = extra_s[len(extra_s) // 2]
+    shutil.rmtree(d, ignore_errors=True)
+    step = f"{step_s[len(step_s) // 2]:.2f} s" if step_s else "n/a"
+    return blocked[len(blocked) // 2], saves[-1]["bytes"] / 1e9, step
+
+
+def deepspeed(args) -> int:
+    head = ["-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{args.deepspeed}"]
+    head += ["--num_processes", "2", "--mixed_precision", "no"]
     print("| model | params | checkpoint | save blocks the loop (median) | per GB | one step |")
     print("|---|---|---|---|---|---|")
     for spec in args.sizes.split(","):
         hidden, layers = (int(v) for v in spec.split("x"))
-        d = args.out / f"ds_{spec}"
-        sets = {
-            "data.cache_dir": args.out / "cache",
-            "model.config.hidden_size": hidden,
-            "model.config.intermediate_size": 4 * hidden,
-            "model.config.num_hidden_layers": layers,
-            "stages.0.steps": 6,
-            "checkpoint.every_tokens": 2048,
-            "checkpoint.every_minutes": "null",
-            "eval.every_steps": 0,
-            "precision.mixed": "no",
-        }
-        launch = ["-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{args.deepspeed}"]
-        cmd = [sys.executable, *launch, "--num_processes", "2", "--mixed_precision", "no", "scripts/run_recipe.py"]
-        cmd += ["tests/fixtures/micro.yaml", "--output-dir", str(d), "--overwrite"]
-        cmd += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
-        subprocess.run(cmd, check=True, env=env, cwd=root, capture_output=True)
-        events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
-        saves = [e for e in events if e["event"] == "checkpoint"]
-        metrics = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
-        step_s = sorted(m["step_time_s"] for m in metrics if "step_time_s" in m)
-        blocked = sorted(e["blocked_s"] for e in saves)
-        med, gb = blocked[len(blocked) // 2], saves[-1]["bytes"] / 1e9
+        med, gb, step = trainer_saves(args, args.out / f"ds_{spec}", head, hidden, layers, {})
         params = hidden * hidden * 15 * layers
-        step = f"{step_s[len(step_s) // 2]:.2f} s" if step_s else "n/a"
+        print(f"| {spec} | ~{params / 1e6:.0f}M | {gb:.2f} GB | {med:.2f} s | {med / gb:.2f} s | {step} |")
+    return 0
+
+
+def ddp(args) -> int:
+    """DDP on 2 processes through the trainer: the save's loop stall, synchronous and in the background. Rank 0's
+    `blocked_s` is not the whole stall under DDP: the next step's all-reduce waits for every rank, so the extra time
+    of the step after a save is added (12 steps, a save every 4, a metrics row every step)."""
+    head = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    every = {"logging.every_steps": 1, "stages.0.steps": 12, "checkpoint.every_tokens": 4096}
+    print("| model | params | checkpoint | sync save: blocks + next step | background: blocks + next step | ratio |")
+    print("|---|---|---|---|---|---|")
+    for spec in args.sizes.split(","):
+        hidden, layers = (int(v) for v in spec.split("x"))
+        d = args.out / f"ddp_{spec}"
+        sync, gb, _ = trainer_saves(args, d, head, hidden, layers, {**every, "checkpoint.async": False})
+        sync_after = trainer_saves.after
+        bg, _, _ = trainer_saves(args, d, head, hidden, layers, {**every, "checkpoint.async": True})
+        bg_after = trainer_saves.after
+        params = hidden * hidden * 15 * layers
+        total_sync, total_bg = sync + max(sync_after, 0.0), bg + max(bg_after, 0.0)
         print(
-            f"| {spec} | ~{params / 1e6:.0f}M | {gb:.2f} GB | {med:.2f} s ({len(blocked)} saves) | {med / gb:.2f} s | {step} |"
+            f"| {spec} | ~{params / 1e6:.0f}M | {gb:.2f} GB | {sync:.3f} + {sync_after:.3f} s | {bg:.3f} + "
+            f"{bg_after:.3f} s | {total_bg / total_sync:.1%} |",
+            flush=True,
         )
-        shutil.rmtree(d, ignore_errors=True)
     return 0
 
 
@@ -221,6 +261,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.deepspeed:
         return deepspeed(args)
+    if args.ddp:
+        return ddp(args)
     if args.worker:
         single_worker(args) if args.single else worker(args)
         return 0

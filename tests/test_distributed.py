@@ -254,6 +254,32 @@ def test_crafted_deepspeed_checkpoint_never_runs_code(tmp_path, cache_dir):
     assert not marker.exists()
 
 
+def ddp_async(out: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The micro recipe on 2 CPU processes under DDP (torchrun) with background saves."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += ["scripts/run_recipe.py", "tests/fixtures/micro.yaml", "--output-dir", str(out)]
+    cmd += ["--set", f"data.cache_dir={cache_dir}", "--set", "checkpoint.async=true", *CKPT, *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_nan_in_one_replica_is_caught_off_the_loop(tmp_path, cache_dir):
+    """DDP with background saves: the main process checks its snapshot in the writer thread, and rank 1's live check
+    reaches it through an all-reduce the loop does not wait for. After step 16's update rank 1's own moments get a
+    NaN: the step-16 checkpoint records it though rank 0's copy is clean, and the NaN loss after it rolls back past
+    it to step 8."""
+    out = tmp_path / "run"
+    proc = ddp_async(out, cache_dir, "--set", "debug.inject.nan_state_step=16")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ev = read_jsonl(out / "events.jsonl")
+    saves = [(e["step"], e["state_finite"]) for e in ev if e["event"] == "checkpoint"]
+    assert saves[:2] == [(8, True), (16, False)], saves
+    rollbacks = [e for e in ev if e["event"] == "rollback"]
+    assert rollbacks and rollbacks[0]["to_step"] == 8
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_dir):
@@ -262,26 +288,7 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
     here): background saves are tested on one process by default (tests/test_checkpoint.py)."""
 
     def run(out, *extra):
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "scripts/run_recipe.py",
-            "tests/fixtures/micro.yaml",
-            "--output-dir",
-            str(out),
-            "--set",
-            f"data.cache_dir={cache_dir}",
-            "--set",
-            "checkpoint.async=true",
-            *CKPT,
-            *extra,
-        ]
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        return ddp_async(out, cache_dir, *extra)
 
     ref, out = tmp_path / "ref", tmp_path / "run"
     proc = run(ref)
@@ -305,7 +312,8 @@ def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_di
 
 def test_zero_buffers_are_sized_from_the_model_and_a_named_size_is_kept(micro_recipe):
     """DeepSpeed's default reduce bucket is 5e8 elements (~1 GB in bf16) whatever the model: the trainer sizes it
-    (and ZeRO-3's prefetch and persistence) from the hidden size, unless the launcher's config names one."""
+    (and ZeRO-3's prefetch and persistence) from the hidden size, unless the launcher's config names one; ZeRO-1/2
+    reduce each bucket to its owner instead of all-reducing it (half the bytes)."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -327,8 +335,12 @@ def test_zero_buffers_are_sized_from_the_model_and_a_named_size_is_kept(micro_re
     z3 = configured({"stage": 3})["zero_optimization"]
     assert z3["reduce_bucket_size"] == 2048**2 and z3["stage3_prefetch_bucket_size"] == int(0.9 * 2048**2)
     assert z3["stage3_param_persistence_threshold"] == 20480
+    assert "use_multi_rank_bucket_allreduce" not in z3  # ZeRO-3 reduce-scatters on its own
     z1 = configured({"stage": 1, "reduce_bucket_size": 12345})  # named by the user: kept
-    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 12345}
+    reduce_to_owner = {"reduce_scatter": True, "use_multi_rank_bucket_allreduce": False}
+    assert z1["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 12345, **reduce_to_owner}
+    named = configured({"stage": 2, "use_multi_rank_bucket_allreduce": True})["zero_optimization"]
+    assert named["use_multi_rank_bucket_allreduce"] is True  # the launcher's choice is kept
     assert z1["train_batch_size"] == 4 * 2 * 2 and z1["gradient_accumulation_steps"] == 2
     assert configured({"stage": 2, "reduce_bucket_size": "auto"})["zero_optimization"]["reduce_bucket_size"] == 2048**2
 

@@ -154,6 +154,34 @@ def test_data_linked_spike_is_skipped(clean, tmp_path, cache_dir):
     assert abs(final_val(out) - final_val(clean)) <= 0.05 * final_val(clean)
 
 
+@pytest.mark.slow  # a variation of the test above on the flagship launch
+@pytest.mark.distributed
+def test_data_linked_spike_is_skipped_under_zero1_with_z_loss_and_averaging(clean, tmp_path, cache_dir):
+    """The same poisoned samples on 2 processes under DeepSpeed ZeRO-1 (the samples are global indices, split by
+    rank), with z-loss and an EMA of the weights on: one rollback, the same samples blamed and skipped (blame runs the
+    per-sample losses through the engine on every rank), the EMA rewound with the weights and saved, `loss/z`
+    logged, and the run ends where one process's clean run ends."""
+    from test_distributed import launch
+
+    out = tmp_path / "run"
+    sets = [*cli(out, cache_dir)[5:], "--set", "debug.inject.poison_samples=[0, 474, 485]"]
+    sets += ["--set", "spikes.skip_margin=1", "--set", "stability.z_loss=1e-4"]
+    sets += ["--set", "averaging.method=ema", "--set", "averaging.start_step=0"]
+    proc = launch("zero1.yaml", out, cache_dir, *sets)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    spikes, rollbacks, skips = events(out, "spike"), events(out, "rollback"), events(out, "skip")
+    assert len(spikes) == 1 and len(rollbacks) == 1 and spikes[0]["onset"] == 30
+    # the poisoned 474..485 and the margin; under z-loss the healthy sample 473 also reads 4 sd above the batch's
+    # median at the restored weights (one process with z-loss blames it too: 472..486)
+    [(stage, first, last)] = [(s["stage"], s["first"], s["last"]) for s in skips]
+    assert stage == 0 and 472 <= first <= 473 and last == 486
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
+    assert sum("loss/z" in m for m in rows) >= 4
+    newest = ck.list_checkpoints(out / "checkpoints")[-1]
+    assert newest.meta["skips"] == [[0, first, last]] and (newest.path / "averaging").is_dir()
+    assert abs(final_val(out) - final_val(clean)) <= 0.05 * final_val(clean)
+
+
 def test_optimizer_corruption_rolls_back_past_the_latest(clean, tmp_path, cache_dir):
     out = tmp_path / "run"
     # corrupted before step 24's update; the checkpoint at step 24 holds the corrupted state

@@ -138,6 +138,29 @@ def state_finite(model, optimizer) -> torch.Tensor:
     return tensors_finite(state_tensors(model, optimizer))
 
 
+class PendingFinite:
+    """The save's NaN/Inf check across data-parallel ranks without a host read on the loop: every rank but the main
+    one checks its live state on the device (the main process checks its background snapshot instead), and the flags
+    are summed by an all-reduce nobody waits for on the loop. The main process reads it in its writer thread
+    (`ok`); the other ranks join it at their next save (`join`). On a GPU the check is a few kernels per GB on the
+    loop's stream and no sync; on CPU processes the device is the host, so the check itself still runs there."""
+
+    def __init__(self, model, optimizer, device, main: bool):
+        import torch
+        import torch.distributed as dist
+
+        self.bad = torch.zeros((), device=device) if main else 1.0 - state_finite(model, optimizer).to(device)
+        self.work = dist.all_reduce(self.bad, async_op=True)
+
+    def join(self) -> None:
+        self.work.wait()
+
+    def ok(self) -> bool:
+        """Every other rank's state was finite at the save (waits for the all-reduce; off the loop)."""
+        self.work.wait()
+        return bool(self.bad.item() == 0)
+
+
 def tensors_finite(ts: list[torch.Tensor]) -> torch.Tensor:
     """1.0 when every floating value of `ts` is finite, else 0.0: one fused max-abs per device and dtype."""
     import torch

@@ -93,6 +93,7 @@ class CheckpointManager:
         self._pool: dict = {}  # snapshot buffers, reused between background saves
         self._config: tuple[object, int, dict] | None = None
         self.last_blocked = 0.0
+        self._pending: integrity.PendingFinite | None = None
         kind = accelerator.distributed_type
         self.async_ok = section.async_ and kind not in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.dcp = DcpCheckpointer() if kind == DistributedType.FSDP else None
@@ -119,14 +120,21 @@ class CheckpointManager:
             "saved_at": time.time(),
             "world_size": self.acc.num_processes,
             "model_config": self._model_config(),
-            # one process, in the background: the writer checks its host copy (off the loop); else the live state
-            "state_finite": None if self._checks_snapshot() else self._state_finite(),
+            "state_finite": self._finite_at_save(),
         }
 
-    def _checks_snapshot(self) -> bool:
-        """The NaN/Inf check runs on the background snapshot: one process holds the whole state and copies it all
-        (DDP ranks keep the live check: a replica that went bad alone is seen only on its own rank)."""
-        return self.async_ok and self.acc.num_processes == 1
+    def _finite_at_save(self) -> bool | None:
+        """The save's NaN/Inf check. In the background (one process, DDP): None here; the main process's writer
+        checks its host copy off the loop, and under DDP also reads the other ranks' live check, summed by an
+        all-reduce nobody waits for on the loop (`integrity.PendingFinite`: a replica that went bad alone is seen
+        only on its own rank). DeepSpeed and FSDP: the live state, on the loop."""
+        if not self.async_ok:
+            return self._state_finite()
+        if self.acc.num_processes > 1:
+            self._pending = integrity.PendingFinite(
+                self.model, self.optimizer, self.acc.device, self.acc.is_main_process
+            )
+        return None
 
     def _state_finite(self) -> bool:
         """Weights and optimizer state finite on every rank: one fused reduction per rank, one all-reduce."""
@@ -169,9 +177,11 @@ class CheckpointManager:
         if acc.is_main_process:
             self.root.mkdir(parents=True, exist_ok=True)
             ck.remove_dir(tmp) if tmp.exists() else None
-        acc.wait_for_everyone()
-        if not self.async_ok:  # every rank its own files, before the engine's (which are slower to write)
-            try:
+        # In the background only the main process writes: no barrier there, so its snapshot overlaps the other ranks'
+        # finite check. Otherwise every rank writes into the directory, which must exist first.
+        if not self.async_ok:
+            acc.wait_for_everyone()
+            try:  # every rank its own files, before the engine's (which are slower to write)
                 for sub, sidecar in self.sidecars.items():
                     sidecar.save(tmp / sub)
             except Exception as e:
@@ -194,7 +204,8 @@ class CheckpointManager:
                 snap = Snapshot(acc, self.model, self.optimizer, self._pool)
                 self._pool = snap.pool
                 sides = [sidecar.snapshot(tmp / sub) for sub, sidecar in self.sidecars.items()]
-                self.writer.submit(lambda: self._write(snap, sides, tmp, final, meta, t0, staged, protected))
+                others = self._pending
+                self.writer.submit(lambda: self._write(snap, sides, tmp, final, meta, t0, staged, protected, others))
         else:
             try:
                 acc.save_state(str(tmp), safe_serialization=True)
@@ -212,12 +223,17 @@ class CheckpointManager:
         self.writer.wait()
         if self.dcp is not None:
             self.dcp.wait()
+        if self._pending is not None:  # the other ranks' side of the last save's finite check
+            self._pending.join()
+            self._pending = None
 
-    def _write(self, snap: Snapshot, sides, tmp: Path, final: Path, meta: dict, t0: float, staged, protected) -> None:
+    def _write(
+        self, snap: Snapshot, sides, tmp: Path, final: Path, meta: dict, t0: float, staged, protected, others=None
+    ) -> None:
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             if meta["state_finite"] is None:
-                meta["state_finite"] = snap.finite()
+                meta["state_finite"] = snap.finite() and (others is None or others.ok())
             snap.write(tmp, 0)
             for write in sides:
                 write()

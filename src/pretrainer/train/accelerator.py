@@ -16,7 +16,7 @@ from ..observe.tracking import tracker_setup
 from ..recipe.lint import Finding
 from ..recipe.plan import RunPlan
 from ..recipe.schema import Recipe
-from ..recipe.sharding import footprints, sharding_findings, zero_buffer_sizes
+from ..recipe.sharding import footprints, sharding_findings, zero_buffer_sizes, zero_reduction
 from ..runtime import fp8_capable
 
 
@@ -91,15 +91,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int, hidden: int | None = None) -> None:
     """The recipe, not the launcher config, decides micro batch, accumulation and clipping; the model's width sizes
-    ZeRO's buffers (`zero_buffer_sizes`)."""
+    ZeRO's buffers (`zero_buffer_sizes`); ZeRO-1/2 reduce each gradient bucket to its owner (`zero_reduction`)."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     ds = accelerator.state.deepspeed_plugin.deepspeed_config
-    if hidden:
-        zero = ds.setdefault("zero_optimization", {})
-        for key, value in zero_buffer_sizes(hidden, int(zero.get("stage", 0))).items():
-            if zero.get(key, "auto") == "auto":  # a size the launcher's DeepSpeed config names is kept
-                zero[key] = value
+    zero = ds.setdefault("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    settings = {**(zero_buffer_sizes(hidden, stage) if hidden else {}), **zero_reduction(stage)}
+    for key, value in settings.items():
+        if zero.get(key, "auto") == "auto":  # a value the launcher's DeepSpeed config names is kept
+            zero[key] = value
     micro = plan.spans[0].micro_batch_size
     ds["train_micro_batch_size_per_gpu"] = micro
     ds["gradient_accumulation_steps"] = grad_accum
