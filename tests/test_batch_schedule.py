@@ -235,9 +235,9 @@ def launch2(config: str | None, out, cache_dir, *sets, kill_at=None, args=()):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory, cache_dir):
-    """The uninterrupted two-process runs, DDP, ZeRO-1 and ZeRO-2, once for the tests below."""
+    """The uninterrupted two-process runs, DDP and ZeRO-1/2/3, once for the tests below."""
     refs = {}
-    for config in (None, "zero1.yaml", "zero2.yaml"):
+    for config in (None, "zero1.yaml", "zero2.yaml", "zero3.yaml"):
         out = tmp_path_factory.mktemp(str(config)) / "ref"
         proc = launch2(config, out, cache_dir)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -320,10 +320,10 @@ def test_critical_batch_runs_its_branches_on_two_processes(two_processes, cache_
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_noise_scale_and_layer_statistics_under_zero_equal_ddp_and_one_process(two_processes, grown):
-    """The small batch is each rank's first micro batch (their squared norms averaged over ranks): under ZeRO-1/2 it
-    is read in the engine's gradient hook before the reduce, and the noise scale equals DDP's. The per-layer
-    statistics read the gradients from ZeRO's partitions (summed over ranks, clipped) and equal one process's on the
-    same batches, as DDP's do. (At 256-token micro batches |G|^2 is sometimes negative, and then no value is
+    """The small batch is each rank's first micro batch (their squared norms averaged over ranks): under ZeRO-1/2/3
+    it is read in the engine's gradient hook before the reduce, and the noise scale equals DDP's. The per-layer
+    statistics read the gradients from ZeRO's partitions (summed over ranks, clipped; ZeRO-3's parameters from
+    their partitions too) and equal one process's on the same batches, as DDP's do. (At 256-token micro batches |G|^2 is sometimes negative, and then no value is
     logged.)"""
     gns = {
         c: {m["step"]: m["gns/b_simple"] for m in read_jsonl(d / "metrics.jsonl") if "gns/b_simple" in m}
@@ -332,7 +332,7 @@ def test_noise_scale_and_layer_statistics_under_zero_equal_ddp_and_one_process(t
     assert gns[None] and all(v > 0 for v in gns[None].values()), gns
     layers = {c: {r["step"]: r for r in read_jsonl(d / "layers.jsonl")} for c, d in two_processes.items()}
     one = {r["step"]: r for r in read_jsonl(grown / "layers.jsonl")}
-    for config in (None, "zero1.yaml", "zero2.yaml"):
+    for config in (None, "zero1.yaml", "zero2.yaml", "zero3.yaml"):
         assert gns[config].keys() == gns[None].keys(), config
         assert all(gns[config][k] == pytest.approx(gns[None][k], rel=1e-3) for k in gns[None]), (config, gns)
         assert layers[config].keys() == one.keys() and len(one) >= 6

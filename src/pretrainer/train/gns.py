@@ -57,8 +57,8 @@ class GradientNoise:
     inside the step, and the estimate at logging time.
 
     It needs one micro batch's own gradient: on one process and DDP it is in `p.grad` after the first backward;
-    under DeepSpeed ZeRO-1/2 it is read inside ZeRO's gradient hook before the reduce (`source`, ds_grads.py); not
-    under ZeRO-3 or FSDP. A step needs more than one micro batch per rank. Measured on logging steps only: the capture
+    under DeepSpeed ZeRO it is read inside ZeRO's gradient hook before the reduce (`source`, ds_grads.py); not under
+    FSDP. A step needs more than one micro batch per rank. Measured on logging steps only: the capture
     costs one norm over all gradients, the estimate one all-reduce and one host read, both off the ordinary steps."""
 
     def __init__(self, every_steps: int, beta: float = 0.95, source=None):
@@ -104,7 +104,7 @@ class GradientNoise:
 
 def noise_scale_for(recipe, accelerator, model, plan) -> GradientNoise | None:
     """The run's noise-scale owner, where one micro batch's own gradient can be read: one process and DDP (`p.grad`),
-    DeepSpeed ZeRO-1/2 (its gradient hook, ds_grads.py); None under ZeRO-3 and FSDP (sharded before anything could
+    DeepSpeed ZeRO (its gradient hook, ds_grads.py); None under FSDP (sharded inside backward before anything could
     read it) and when a step is one micro batch per rank (no small batch to compare)."""
     kind = accelerator.distributed_type
     accum = max(plan.grad_accum(accelerator.num_processes, b.start_step) for b in plan.batches)
@@ -112,7 +112,5 @@ def noise_scale_for(recipe, accelerator, model, plan) -> GradientNoise | None:
         return None
     source = None
     if kind == DistributedType.DEEPSPEED:
-        if accelerator.state.deepspeed_plugin.zero_stage not in (1, 2):
-            return None
-        source = SmallBatchNorm(model.optimizer)
+        source = SmallBatchNorm(model.optimizer, int(accelerator.state.deepspeed_plugin.zero_stage))
     return GradientNoise(recipe.logging.every_steps, source=source)

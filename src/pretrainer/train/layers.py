@@ -9,9 +9,9 @@ metrics (`layers/<stat>_max`, `layers/<stat>_argmax`), the vectors to layers.jso
 the layers that moved first before a spike (marin issue 1368: update-norm spikes in the lower layers came first).
 
 Cost: on logging steps only: one fused norm pass over the gradients and the parameters, two gathers of the samples,
-one [layers x 4] transfer. Under FSDP each rank measures its shards and one all-reduce sums them. Under DeepSpeed
-ZeRO-1/2 every rank holds the whole weights, and the gradients are read from the engine's partitions inside its step
-(ds_grads.py); ZeRO-3 is not measured (no `layers/*` metrics).
+one [layers x 4] transfer. Under FSDP and ZeRO-3 each rank measures its shards and one all-reduce sums them (ZeRO-3
+samples the same entries as one process, each rank those in its partition). Under DeepSpeed the gradients are read
+from the engine's partitions inside its step (ds_grads.py); under ZeRO-1/2 every rank holds the whole weights.
 """
 
 from __future__ import annotations
@@ -37,7 +37,26 @@ LEAD_FACTOR = 3.0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensor: this rank's shard
+    """This rank's part: FSDP2's DTensor shard, ZeRO-3's flat partition (`ds_tensor`), else the tensor."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sample(p: torch.Tensor, gen: torch.Generator, device) -> torch.Tensor | None:
+    """The entries of `p` this rank reads for the update size (flat indices into `_local(p)`); None for a vector.
+    Under ZeRO-3 the indices are drawn over the whole matrix, as one process draws them, and each rank keeps those in
+    its partition (rank r holds the flat range [r x part, (r + 1) x part)), so the sums over ranks are one process's."""
+    shape, numel = getattr(p, "ds_shape", None), getattr(p, "ds_numel", None)
+    whole = numel if numel is not None else _local(p).numel()
+    if len(shape if shape is not None else p.shape) < 2 or not whole:
+        return None
+    idx = torch.randint(0, whole, (min(SAMPLE, whole),), generator=gen)
+    if numel is not None:
+        part = p.ds_tensor.numel()
+        rank = torch.distributed.get_rank(group=getattr(p, "ds_process_group", None))
+        idx = idx[idx // part == rank] - rank * part
+    return idx.to(device)
 
 
 class LayerStats:
@@ -64,9 +83,7 @@ class LayerStats:
         gen = torch.Generator().manual_seed(0)  # the same entries on every rank and every launch
         self.samples = []
         for p, i in zip(self.params, owner):
-            numel = _local(p).numel()
-            if p.ndim >= 2 and numel:
-                idx = torch.randint(0, numel, (min(SAMPLE, numel),), generator=gen).to(device)
+            if (idx := _sample(p, gen, device)) is not None:
                 self.samples.append((p, idx, i))
         self.sample_owner = (
             torch.cat([torch.full((len(idx),), i, device=device) for _, idx, i in self.samples])
@@ -205,26 +222,24 @@ def _qk_modules(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.n
 
 
 def layer_stats_for(recipe, accelerator, model) -> LayerStats | None:
-    """The recipe's layer statistics for this backend: None when off, under ZeRO-3 (its partitioned parameters are
-    not wired), and for a model without decoder layers we recognise; under FSDP each rank's shard sums are added
-    over ranks; under ZeRO-1/2 the gradients are read from the engine's partitions (ds_grads.py)."""
+    """The recipe's layer statistics for this backend: None when off and for a model without decoder layers we
+    recognise; under FSDP and ZeRO-3 each rank's shard sums are added over ranks; under DeepSpeed the gradients are
+    read from the engine's partitions (ds_grads.py)."""
     if not recipe.stability.layer_stats:
-        return None
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    if deepspeed and accelerator.state.deepspeed_plugin.zero_stage not in (1, 2):
         return None
     layers = decoder_layers(accelerator.unwrap_model(model))
     if not layers:  # a model type without transformers' layer class
         return None
-    source = None
-    if deepspeed:
+    kind, source, stage = accelerator.distributed_type, None, None
+    if kind == DistributedType.DEEPSPEED:
+        stage = int(accelerator.state.deepspeed_plugin.zero_stage)
         layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
-        source = PartitionLayerGrads(model.optimizer, layer_of, len(layers))
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
+        source = PartitionLayerGrads(model.optimizer, layer_of, len(layers), stage)
+    sharded = kind == DistributedType.FSDP or stage == 3
     return LayerStats(
         accelerator.unwrap_model(model),
         recipe.logging.every_steps,
-        reduce_sum=partial(accelerator.reduce, reduction="sum") if fsdp else None,
+        reduce_sum=partial(accelerator.reduce, reduction="sum") if sharded else None,
         logits=not recipe.model.compile,
         grad_source=source,
     )
