@@ -89,7 +89,9 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int, hidden: int | None = None) -> None:
+def configure_deepspeed(
+    accelerator: Accelerator, plan: RunPlan, grad_accum: int, hidden: int | None = None, muon: bool = False
+) -> None:
     """The recipe, not the launcher config, decides micro batch, accumulation and clipping; the model's width sizes
     ZeRO's buffers (`zero_buffer_sizes`); ZeRO-1/2 reduce each gradient bucket to its owner (`zero_reduction`)."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
@@ -98,6 +100,8 @@ def configure_deepspeed(accelerator: Accelerator, plan: RunPlan, grad_accum: int
     zero = ds.setdefault("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     settings = {**(zero_buffer_sizes(hidden, stage) if hidden else {}), **zero_reduction(stage)}
+    if muon and stage == 3:  # ZeRO-3's Muon gathers whole gradients from all-reduced partitions (DeepSpeed requires)
+        settings["reduce_scatter"] = False
     for key, value in settings.items():
         if zero.get(key, "auto") == "auto":  # a value the launcher's DeepSpeed config names is kept
             zero[key] = value

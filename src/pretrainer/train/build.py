@@ -24,7 +24,7 @@ from ..recipe.plan import RunPlan
 from ..recipe.schedules import lr_lambda
 from ..recipe.schema import Recipe
 from .accelerator import configure_deepspeed, weights_from_the_seed
-from .ds_muon import GradientFirst, build_deepspeed_muon, probe_items
+from .ds_muon import GradientFirst, build_deepspeed_muon, gathered, probe_items
 from .optim import Assignment, build_optimizer
 
 
@@ -47,6 +47,8 @@ class Built:
     probed: list | None = None
     """(parameter, optimizer group) pairs Muon's probe samples where the optimizer holds flat partitions (DeepSpeed);
     None: the optimizer's own groups."""
+    probe_gather: object = None
+    """A context over parameters that makes them whole for the probe (ZeRO-3), or None."""
 
 
 def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int) -> Built:
@@ -70,17 +72,19 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
         optimizer, fused, assignment = build_optimizer(model, opt)
     if (why := compile_warning(recipe.model.compile, accelerator)) and accelerator.is_main_process:
         print(f"warning: {why}", file=sys.stderr, flush=True)
-    configure_deepspeed(accelerator, plan, grad_accum, getattr(config, "hidden_size", None))
+    configure_deepspeed(accelerator, plan, grad_accum, getattr(config, "hidden_size", None), opt.type == "muon")
     model, optimizer = accelerator.prepare(model, optimizer)
-    probed = None
+    probed = probe_gather = None
     if opt.type == "muon" and stage is not None:
-        GradientFirst(model.optimizer)  # before skip-step's gate wraps the same norm (the gate then reads this one)
-        probed = probe_items(model)
+        GradientFirst(model.optimizer, stage)  # before skip-step's gate wraps the same norm (it then reads this one)
+        probed, probe_gather = probe_items(model, stage), gathered(stage)
     # Built on the prepared optimizer (whose param groups DeepSpeed and FSDP may have rebuilt); not registered with
     # Accelerate: the LR is a function of the step, which meta.json holds.
     scheduler = RunLR(optimizer, lr_lambda(recipe))
     rope = StageRope(accelerator.unwrap_model(model), recipe.stages)
-    return Built(model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss, probed)
+    return Built(
+        model, optimizer, scheduler, config, rope, n_params, n_non_emb, fused, assignment, zloss, probed, probe_gather
+    )
 
 
 def refuse_muon(recipe: Recipe, accelerator) -> None:
@@ -89,15 +93,14 @@ def refuse_muon(recipe: Recipe, accelerator) -> None:
         raise PretrainerError(
             f"optimizer.type: muon is refused under {accelerator.distributed_type.value}: it shards parameters into "
             "row shards, so a Muon step on them would not orthogonalise whole matrices (no owner-rank gather is "
-            "built); launch with DeepSpeed ZeRO-1/2 (accelerate_configs/zero1.yaml), DDP "
+            "built); launch with DeepSpeed ZeRO (accelerate_configs/zero1.yaml), DDP "
             "(accelerate_configs/ddp.yaml) or one process"
         )
     stage = zero_stage(accelerator)
-    if recipe.optimizer.type == "muon" and stage is not None and stage not in (1, 2):
+    if recipe.optimizer.type == "muon" and stage == 0:
         raise PretrainerError(
-            f"optimizer.type: muon under DeepSpeed ZeRO-{stage} is refused: ZeRO-3's Muon gathers whole matrices "
-            "round-robin and needs reduce_scatter: false, which is not wired here (and stage 0 trains plain SGD, "
-            "DeepSpeed issue 8441); launch with ZeRO-1 or ZeRO-2 (accelerate_configs/zero1.yaml)"
+            "optimizer.type: muon under DeepSpeed ZeRO-0 is refused: nothing there orthogonalises (DeepSpeed's "
+            "Muon at stage 0 trained plain SGD, its issue 8441); launch with ZeRO-1/2/3 (accelerate_configs/zero1.yaml)"
         )
 
 

@@ -1,9 +1,11 @@
-"""Muon under DeepSpeed ZeRO-1/2: DeepSpeed's own Muon, given our split, our LR rule and our clipping order.
+"""Muon under DeepSpeed ZeRO: DeepSpeed's own Muon, given our split, our LR rule and our clipping order.
 
-ZeRO-1/2 hand the optimizer flat fp32 partitions, on which no Muon step can orthogonalise a matrix. DeepSpeed's
-`MuonWithAuxAdam` works inside ZeRO instead: when it flattens a rank's gradient partition (`get_flat_partition`) it
-runs the momentum and Newton-Schulz on each whole matrix that touches the partition (the matrices that straddle two
-ranks are reduced whole to both), so the partition holds the update and the optimizer only applies it.
+ZeRO hands the optimizer flat fp32 partitions, on which no Muon step can orthogonalise a matrix. DeepSpeed's
+`MuonWithAuxAdam` works inside ZeRO instead: ZeRO-1/2, when they flatten a rank's gradient partition
+(`get_flat_partition`), run the momentum and Newton-Schulz on each whole matrix that touches the partition (the
+matrices that straddle two ranks are reduced whole to both); ZeRO-3 gathers each Muon matrix's gradient once per
+step and orthogonalises round-robin over ranks (`_apply_muon_to_accumulated_grads`; it needs `reduce_scatter:
+false`). Either way the partition then holds the update and the optimizer only applies it.
 
 We build that optimizer ourselves rather than through the DeepSpeed config (`"optimizer": {"type": "Muon"}`):
 - **the split is ours** (train/optim.py `split_for_muon`: hidden matrices to Muon, embeddings, the head, norms and
@@ -16,7 +18,8 @@ We build that optimizer ourselves rather than through the DeepSpeed config (`"op
 - **the auxiliary AdamW is torch's**, as on one process.
 
 And two orders DeepSpeed gets wrong for us (its issue 8439), put right by wrapping three methods of the ZeRO
-optimizer, as the skip-step gate (ds_gate.py) wraps its norm:
+optimizer (ZeRO-1/2's names below; ZeRO-3: its Muon call, `_get_norm_groups`, `unscale_and_clip_grads`), as the
+skip-step gate (ds_gate.py) wraps its norm:
 - **the norm is the gradient's**: DeepSpeed orthogonalises while flattening, before it computes the global norm, so
   its norm (and its clipping) would be of the update for the Muon matrices. Here the Muon groups are flattened raw
   first, DeepSpeed's norm is taken over raw gradients (the number logged and fed to the spike rule and skip-step is
@@ -89,11 +92,15 @@ def build_deepspeed_muon(model: torch.nn.Module, section: OptimizerSection, stag
 
 
 class GradientFirst:
-    """Wraps the ZeRO-1/2 optimizer so the Muon groups are flattened raw, normed and clipped as gradients, and only
-    then orthogonalised (module docstring)."""
+    """Wraps the ZeRO optimizer so the Muon groups' gradients are normed and clipped as gradients, and only then
+    orthogonalised (module docstring). ZeRO-3 runs Muon in one method just before its norm
+    (`_apply_muon_to_accumulated_grads`, on whole gathered matrices): that call is deferred to after the norm."""
 
-    def __init__(self, zero_opt):
+    def __init__(self, zero_opt, stage: int):
         self.opt = opt = zero_opt
+        if stage == 3:
+            self._init_stage3()
+            return
         for name in ("get_flat_partition", "scaled_global_norm", "unscale_and_clip_grads", "_is_muon_group"):
             if not hasattr(opt, name):
                 raise PretrainerError(
@@ -110,6 +117,52 @@ class GradientFirst:
         opt.get_flat_partition = self.flat_partition
         opt.scaled_global_norm = self.global_norm
         opt.unscale_and_clip_grads = self.clip
+
+    def _init_stage3(self) -> None:
+        opt = self.opt
+        for name in ("_apply_muon_to_accumulated_grads", "_get_norm_groups", "unscale_and_clip_grads"):
+            if not hasattr(opt, name):
+                raise PretrainerError(
+                    f"optimizer.type: muon under DeepSpeed ZeRO-3: this ZeRO optimizer ({type(opt).__name__}) has no "
+                    f"{name}, which the gradient-first order wraps (DeepSpeed 0.19's ZeRO-3 has it)"
+                )
+        if getattr(opt, "offload_optimizer", False):
+            raise PretrainerError("optimizer.type: muon under DeepSpeed ZeRO-3 needs no optimizer offload")
+        self.due = False
+        self._apply, self._groups, self._clip3 = (
+            opt._apply_muon_to_accumulated_grads,
+            opt._get_norm_groups,
+            opt.unscale_and_clip_grads,
+        )
+        opt._apply_muon_to_accumulated_grads = self.defer
+        opt._get_norm_groups = self.norm_groups
+        opt.unscale_and_clip_grads = self.clip3
+
+    def defer(self) -> None:
+        self.due = True  # DeepSpeed calls it right before the norm: run it after, on clipped gradients
+
+    def norm_groups(self):
+        groups = self._groups()  # over raw gradients
+        if not self.due:
+            return groups
+        self.due = False
+        from deepspeed.runtime.utils import combine_grad_norm_groups
+
+        opt = self.opt
+        norm = combine_grad_norm_groups(groups).float()
+        if opt.clip_grad > 0:
+            scale = 1.0 / torch.clamp(((norm / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0)
+            for i, muon in enumerate(opt.sub_groups_using_muon):
+                if muon and opt.averaged_gradients[i] is not None:
+                    for g in opt.averaged_gradients[i]:
+                        g.mul_(scale.to(g.dtype))
+        self._apply()
+        return groups
+
+    def clip3(self, sub_group_id, total_norm):
+        if self.opt.sub_groups_using_muon[sub_group_id]:  # an update made from clipped gradients
+            total_norm = torch.zeros_like(torch.as_tensor(total_norm))
+        return self._clip3(sub_group_id, total_norm)
 
     def flat_partition(self, tensor_list, *args, **kw):
         if not self.opt._is_muon_group(tensor_list):
@@ -153,8 +206,22 @@ class GradientFirst:
         return self._clip(grad_groups_flat, torch.zeros_like(total_norm) if muon else total_norm)
 
 
-def probe_items(engine) -> list[tuple[torch.Tensor, dict]]:
-    """(module parameter, its optimizer group) for the probe: under ZeRO-1/2 the optimizer holds flat partitions, and
-    each rank's module holds every whole matrix again after the step's all-gather."""
+def probe_items(engine, stage: int) -> list[tuple[torch.Tensor, dict]]:
+    """(module parameter, its optimizer group) for the probe: the optimizer holds flat partitions. Under ZeRO-1/2 each
+    rank's module holds every whole matrix again after the step's all-gather; under ZeRO-3 the probe gathers the
+    sampled ones (`gathered`)."""
     zero = engine.optimizer
+    if stage == 3:
+        # any group of the parameter's kind: the probe reads only lr x weight_decay, the same in every Muon group
+        by_kind = {bool(g.get("use_muon")): g for g in zero.optimizer.param_groups}
+        return [(p, by_kind[bool(getattr(p, "use_muon", False))]) for p in engine.module.parameters()]
     return [(p, g) for ps, g in zip(zero.bit16_groups, zero.optimizer.param_groups) for p in ps]
+
+
+def gathered(stage: int):
+    """A context over a list of parameters that makes them whole (ZeRO-3's GatheredParameters), or None."""
+    if stage != 3:
+        return None
+    import deepspeed
+
+    return lambda params: deepspeed.zero.GatheredParameters(params)

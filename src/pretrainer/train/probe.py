@@ -13,6 +13,8 @@ Cost: only on logging steps; a copy of the sampled tensors before the step, one 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..errors import PretrainerError
@@ -23,10 +25,11 @@ SAMPLES = 4
 
 
 class OptimizerProbe:
-    def __init__(self, optimizer, every_steps: int, expect_muon: bool, items: list | None = None):
+    def __init__(self, optimizer, every_steps: int, expect_muon: bool, items: list | None = None, gather=None):
         """items: (parameter, optimizer group) pairs to sample from, where the optimizer's own parameters are flat
-        partitions (DeepSpeed: the module's whole matrices, ds_muon.probe_items); default the optimizer's groups."""
-        self.every, self.expect_muon = every_steps, expect_muon
+        partitions (DeepSpeed: the module's matrices, ds_muon.probe_items); default the optimizer's groups.
+        gather: a context over a list of parameters that makes them whole (ZeRO-3), on every rank."""
+        self.every, self.expect_muon, self.gather = every_steps, expect_muon, gather
         if items is None:
             items = [(p, g) for g in innermost_optimizer(optimizer).param_groups for p in g["params"]]
         self.kinds: dict[str, list[tuple[torch.Tensor, dict]]] = {}
@@ -41,14 +44,29 @@ class OptimizerProbe:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
+    def _whole(self):
+        params = [p for items in self.kinds.values() for p, _ in items]
+        return self.gather(params) if self.gather is not None else contextlib.nullcontext()
+
     def before(self) -> None:
-        self._before = {k: [p.detach().clone() for p, _ in items] for k, items in self.kinds.items()}
+        with self._whole():
+            self._before = {k: [p.detach().clone() for p, _ in items] for k, items in self.kinds.items()}
 
     @torch.no_grad()
     def after(self, step: int) -> None:
         """Measure the update just applied; raises PretrainerError when Muon's sampled update is not orthogonal."""
         if self._before is None:
             return
+        with self._whole():
+            self._measure()
+        err = self.metrics.get("optim/muon/ortho_err")
+        if self.expect_muon and (err is None or not err <= MAX_ORTHO_ERR):
+            raise PretrainerError(
+                f"optimizer.type: muon, but the update applied at step {step} to a Muon matrix is not orthogonalised "
+                f"(singular-value spread {err} > {MAX_ORTHO_ERR}): the optimizer running is not Muon"
+            )
+
+    def _measure(self) -> None:
         out = {}
         for kind, items in self.kinds.items():
             sq, n = torch.zeros((), device=items[0][0].device), 0
@@ -66,12 +84,6 @@ class OptimizerProbe:
         keys = list(out)
         values = torch.stack([torch.as_tensor(out[k], dtype=torch.float32) for k in keys]).tolist()
         self.metrics = dict(zip(keys, values))
-        err = self.metrics.get("optim/muon/ortho_err")
-        if self.expect_muon and (err is None or not err <= MAX_ORTHO_ERR):
-            raise PretrainerError(
-                f"optimizer.type: muon, but the update applied at step {step} to a Muon matrix is not orthogonalised "
-                f"(singular-value spread {err} > {MAX_ORTHO_ERR}): the optimizer running is not Muon"
-            )
 
     def take(self) -> dict[str, float]:
         out, self.metrics = self.metrics, {}

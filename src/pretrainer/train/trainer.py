@@ -193,7 +193,11 @@ class Trainer:
             hooks.append(LayerHook(self.layer_stats))
         if self.built.assignment.muon:
             hooks.append(
-                ProbeHook(OptimizerProbe(self.optimizer, recipe.logging.every_steps, True, self.built.probed))
+                ProbeHook(
+                    OptimizerProbe(
+                        self.optimizer, recipe.logging.every_steps, True, self.built.probed, self.built.probe_gather
+                    )
+                )
             )
         if self.built.zloss is not None:
             hooks.append(ZLossHook(self.built.zloss, acc.device))
