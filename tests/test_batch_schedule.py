@@ -247,7 +247,9 @@ def two_processes(tmp_path_factory, cache_dir):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("config", [None, "zero1.yaml"], ids=["ddp", "zero1"])
+@pytest.mark.parametrize(
+    "config", [None, "zero1.yaml", "zero2.yaml", "zero3.yaml"], ids=["ddp", "zero1", "zero2", "zero3"]
+)
 def test_two_processes_resume_bitwise_across_a_change(config, two_processes, tmp_path, cache_dir):
     """The accumulation per rank doubles at step 20 (2 -> 4 micro batches; DeepSpeed's engine told through
     `set_train_batch_size`); killed at step 27, resumed: the same per-step losses as the uninterrupted run."""

@@ -154,20 +154,25 @@ def test_data_linked_spike_is_skipped(clean, tmp_path, cache_dir):
     assert abs(final_val(out) - final_val(clean)) <= 0.05 * final_val(clean)
 
 
-@pytest.mark.slow  # a variation of the test above on the flagship launch
+@pytest.mark.slow  # variations of the test above on every launch of two CPU processes
 @pytest.mark.distributed
-def test_data_linked_spike_is_skipped_under_zero1_with_z_loss_and_averaging(clean, tmp_path, cache_dir):
-    """The same poisoned samples on 2 processes under DeepSpeed ZeRO-1 (the samples are global indices, split by
-    rank), with z-loss and an EMA of the weights on: one rollback, the same samples blamed and skipped (blame runs the
-    per-sample losses through the engine on every rank), the EMA rewound with the weights and saved, `loss/z`
+@pytest.mark.parametrize("config", [None, "zero1.yaml", "zero2.yaml", "zero3.yaml"], ids=["ddp", "z1", "z2", "z3"])
+def test_data_linked_spike_is_skipped_on_two_processes_with_z_loss_and_averaging(clean, tmp_path, cache_dir, config):
+    """The same poisoned samples on 2 processes, DDP or DeepSpeed ZeRO-1/2/3 (the samples are global indices, split
+    by rank), with z-loss and an EMA of the weights on: one rollback, the same samples blamed and skipped (blame runs
+    the per-sample losses through the model on every rank), the EMA rewound with the weights and saved, `loss/z`
     logged, and the run ends where one process's clean run ends."""
+    from conftest import run_micro
     from test_distributed import launch
 
     out = tmp_path / "run"
-    sets = [*cli(out, cache_dir)[5:], "--set", "debug.inject.poison_samples=[0, 474, 485]"]
+    sets = [*SPIKY, "--set", "debug.inject.poison_samples=[0, 474, 485]"]
     sets += ["--set", "spikes.skip_margin=1", "--set", "stability.z_loss=1e-4"]
     sets += ["--set", "averaging.method=ema", "--set", "averaging.start_step=0"]
-    proc = launch("zero1.yaml", out, cache_dir, *sets)
+    if config is None:
+        proc = run_micro(out, cache_dir, args=sets, processes=2)
+    else:
+        proc = launch(config, out, cache_dir, *sets)
     assert proc.returncode == 0, proc.stderr[-4000:]
     spikes, rollbacks, skips = events(out, "spike"), events(out, "rollback"), events(out, "skip")
     assert len(spikes) == 1 and len(rollbacks) == 1 and spikes[0]["onset"] == 30
