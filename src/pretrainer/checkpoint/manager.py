@@ -127,7 +127,12 @@ class CheckpointManager:
         """The save's NaN/Inf check. In the background (one process, DDP): None here; the main process's writer
         checks its host copy off the loop, and under DDP also reads the other ranks' live check, summed by an
         all-reduce nobody waits for on the loop (`integrity.PendingFinite`: a replica that went bad alone is seen
-        only on its own rank). DeepSpeed and FSDP: the live state, on the loop."""
+        only on its own rank). FSDP in the background: every rank checks its shards on the device the same way, and
+        each rank's commit thread reads the sum before writing meta.json. DeepSpeed and synchronous saves: the live
+        state, on the loop."""
+        if self.dcp is not None and self.section.async_:  # FSDP: every rank's shards, read by the commit thread
+            self._pending = integrity.PendingFinite(self.model, self.optimizer, self.acc.device, main=False)
+            return None
         if not self.async_ok:
             return self._state_finite()
         if self.acc.num_processes > 1:
@@ -187,13 +192,14 @@ class CheckpointManager:
             except Exception as e:
                 self._fail(tmp, meta["step"], e)
         if self.dcp is not None:
+            others = self._pending
             try:
                 self.dcp.save(
                     self.model,
                     self.optimizer,
                     tmp,
                     lambda g: self._commit(
-                        g, tmp, final, meta, t0, staged if self.section.async_ else None, protected
+                        g, tmp, final, meta, t0, staged if self.section.async_ else None, protected, others
                     ),
                     async_=self.section.async_,
                 )
@@ -259,12 +265,16 @@ class CheckpointManager:
         t0: float,
         staged: threading.Event | None,
         protected: Protected,
+        others: integrity.PendingFinite | None = None,
     ):
         """Meta, extra files, per-rank hashes, manifest (last), rename; then the event and retention (rank 0).
 
         Args:
             group: the ranks that wrote it (one process: the main process's background writer).
-            staged: set once the loop is free again (`last_blocked` known); None: the loop waited for all of it."""
+            staged: set once the loop is free again (`last_blocked` known); None: the loop waited for all of it.
+            others: the ranks' finite check still in flight (FSDP in the background), read here, off the loop."""
+        if meta["state_finite"] is None and others is not None:
+            meta["state_finite"] = others.ok()
         try:
             nbytes = commit.commit(group, tmp, final, meta, self.extra_files)
         except Exception as e:
