@@ -30,6 +30,14 @@ import torch
 import torch.distributed as dist
 
 
+def clip_scale(zero_opt, norm: torch.Tensor) -> torch.Tensor | None:
+    """The factor DeepSpeed's clip multiplies the gradients by (its `unscale_and_clip_grads` formula, on the device),
+    from the step's global norm; None when clipping is off."""
+    if zero_opt.clip_grad <= 0:
+        return None
+    return 1.0 / torch.clamp(((norm.float() / zero_opt.loss_scale) + 1e-6) / zero_opt.clip_grad, min=1.0)
+
+
 class PartitionLayerGrads:
     def __init__(self, zero_opt, layer_of: dict[int, int], n_layers: int, stage: int):
         """layer_of: id(module parameter) -> its decoder layer; other parameters (embeddings, head, final norm) are
@@ -80,8 +88,8 @@ class PartitionLayerGrads:
             sq = torch.zeros(self.n + 1, device=norm.device)
         if self.stage != 3:  # ZeRO-3: LayerStats sums over ranks with its parameter shards
             dist.all_reduce(sq, group=opt.dp_process_group)
-        if opt.clip_grad > 0:  # DeepSpeed's clip factor (unscale_and_clip_grads), squared
-            sq = sq / torch.clamp(((norm.float() / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0).square()
+        if (scale := clip_scale(opt, norm)) is not None:
+            sq = sq * scale.square()
         self.g2 = sq[: self.n]
 
     @torch.no_grad()

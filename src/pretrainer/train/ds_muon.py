@@ -39,6 +39,7 @@ import torch
 
 from ..errors import PretrainerError
 from ..recipe.sections import OptimizerSection
+from .ds_grads import clip_scale
 from .optim import Assignment, split_for_muon
 
 NS_STEPS = 5  # DeepSpeed's muon_update is called without ns_steps or nesterov: 5 steps, Nesterov momentum
@@ -114,6 +115,7 @@ class GradientFirst:
             )
         self.deferred: dict[int, tuple[tuple, dict, list]] = {}
         self._flat, self._norm, self._clip = opt.get_flat_partition, opt.scaled_global_norm, opt.unscale_and_clip_grads
+        self.muon_groups = [i for i, g in enumerate(opt.bit16_groups) if g and getattr(g[0], "use_muon", False)]
         opt.get_flat_partition = self.flat_partition
         opt.scaled_global_norm = self.global_norm
         opt.unscale_and_clip_grads = self.clip
@@ -149,9 +151,7 @@ class GradientFirst:
         from deepspeed.runtime.utils import combine_grad_norm_groups
 
         opt = self.opt
-        norm = combine_grad_norm_groups(groups).float()
-        if opt.clip_grad > 0:
-            scale = 1.0 / torch.clamp(((norm / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0)
+        if (scale := clip_scale(opt, combine_grad_norm_groups(groups))) is not None:
             for i, muon in enumerate(opt.sub_groups_using_muon):
                 if muon and opt.averaged_gradients[i] is not None:
                     for g in opt.averaged_gradients[i]:
@@ -182,13 +182,11 @@ class GradientFirst:
         norm = self._norm(norm_type)  # over raw gradients, the Muon groups' included
         if not self.deferred:
             return norm
-        opt = self.opt
-        scale = torch.ones((), device=norm.device, dtype=torch.float32)
-        if opt.clip_grad > 0:  # DeepSpeed's own formula (unscale_and_clip_grads), applied to the gradients
-            scale = 1.0 / torch.clamp(((norm.float() / opt.loss_scale) + 1e-6) / opt.clip_grad, min=1.0)
+        opt, scale = self.opt, clip_scale(self.opt, norm)  # DeepSpeed's clip, applied to the gradients
         for group, (args, kw, grads) in self.deferred.items():
-            for g in grads:
-                g.mul_(scale.to(g.dtype))
+            if scale is not None:
+                for g in grads:
+                    g.mul_(scale.to(g.dtype))
             opt.all_grad_tensors[group] = grads
             opt.averaged_gradients[group] = self._flat(*args, **kw)  # now the Muon update
             opt.all_grad_tensors[group] = None
@@ -197,11 +195,7 @@ class GradientFirst:
 
     def clip(self, grad_groups_flat, total_norm):
         opt = self.opt
-        muon = any(
-            grad_groups_flat[0] is opt.single_partition_of_fp32_groups[i].grad
-            for i, group in enumerate(opt.bit16_groups)
-            if group and getattr(group[0], "use_muon", False)
-        )
+        muon = any(grad_groups_flat[0] is opt.single_partition_of_fp32_groups[i].grad for i in self.muon_groups)
         # an update already made from clipped gradients: only the loss scale comes off (a zero norm clips nothing)
         return self._clip(grad_groups_flat, torch.zeros_like(total_norm) if muon else total_norm)
 
