@@ -230,11 +230,19 @@ def test_the_ladder_adds_no_host_sync_to_the_step(tmp_path, cache_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("config", ["zero2.yaml", pytest.param("zero3.yaml", marks=pytest.mark.slow)])
-def test_skip_step_is_honoured_by_deepspeed_on_two_processes(tmp_path, cache_dir, config):
+@pytest.mark.parametrize(
+    ("config", "counts"),
+    [
+        pytest.param("zero2.yaml", (2,), id="zero2"),
+        pytest.param("zero2.yaml", (2, 1), marks=pytest.mark.slow, id="zero2-2-and-1"),
+        pytest.param("zero3.yaml", (2, 1), marks=pytest.mark.slow, id="zero3-2-and-1"),
+    ],
+)
+def test_skip_step_is_honoured_by_deepspeed_on_two_processes(tmp_path, cache_dir, config, counts):
     """The fault's step is skipped inside DeepSpeed's engine on every rank, and the weights after the skipped last
-    step equal those saved before it. (That 2 processes train as 1 on every launch is
-    tests/test_distributed.py::test_every_launch_trains_the_same_run's, slow.)"""
+    step equal those saved before it. The slow variations also run one process: ZeRO-2's 2 processes train as 1
+    through the skip; ZeRO-3's part ways by ~1e-2 at step 40 at this recipe's LR with skip-step off as well
+    (reduction order), so only ZeRO-2 compares."""
     pytest.importorskip("deepspeed")
     from test_distributed import launch
 
@@ -242,7 +250,8 @@ def test_skip_step_is_honoured_by_deepspeed_on_two_processes(tmp_path, cache_dir
     from pretrainer.checkpoint.export import export_checkpoint
 
     sets = ["stages.0.steps=72", "eval.every_steps=0", f"checkpoint.every_tokens={71 * 1024}", FAULT]
-    for n in (2,):
+    runs = {}
+    for n in counts:
         out = tmp_path / f"p{n}"
         proc = launch(config, out, cache_dir, *(a for s in sets for a in ("--set", s)), processes=n)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -250,12 +259,16 @@ def test_skip_step_is_honoured_by_deepspeed_on_two_processes(tmp_path, cache_dir
         assert [(e["step"], e["reason"]) for e in skipped] == [(72, "grad_norm")]
         before = next(c.path for c in list_checkpoints(out / "checkpoints") if c.meta["step"] == 71)
         export_checkpoint(before, tmp_path / f"hf{n}")
+        runs[n] = out
         from transformers import AutoModelForCausalLM
 
         at71 = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf{n}").state_dict()
         final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
         for k, v in final.items():
             assert torch.equal(v, at71[k]), k  # the skipped step moved no weight
+    if config == "zero2.yaml" and 1 in runs:
+        a, b = step_losses(runs[2]), step_losses(runs[1])
+        assert max(abs(a[k] - b[k]) for k in a) < 2e-3  # 2 processes train as 1
 
 
 def test_a_qk_norm_model_trains_with_the_scaled_init(tmp_path, cache_dir):
