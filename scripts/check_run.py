@@ -43,6 +43,8 @@ def main(argv=None) -> int:
             raise PretrainerError(f"{args.output_dir}: not a run directory")
         run_data = load_run(args.output_dir)  # read once: a long run's metrics are ~100 MB of JSON
         r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep", run=run_data)
+        # the per-step data is the report's alone: a 10M-step run's ~300 MB, freed before the forecast's LR arrays
+        run_data.update(record=None, losses=None, final=None, train=None)
         if (fc := forecast_report(args.output_dir, args.target, run=run_data)) is not None:
             r["forecast"] = fc
         if (mr := merged_report(args.output_dir, run=run_data)) is not None:

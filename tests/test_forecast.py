@@ -197,3 +197,18 @@ def test_a_real_run_forecasts_in_the_loop_and_in_check_run(tmp_path, cache_dir, 
     assert forecast.main([str(out), "--train-loss", "--json"]) == 0
     both = json.loads(capsys.readouterr().out)
     assert both["fit"]["points"] > fc["fit"]["points"] + 10 and set(both["final"]) >= {"value", "lo", "hi"}
+
+
+def test_momentum_is_the_first_order_filter():
+    """The annealing momentum m_i = lam m_(i-1) + x_i, computed in blocks, against scipy's filter: the same to
+    rounding over a long sequence (several blocks at every lam) and a short one."""
+    from scipy.signal import lfilter
+
+    from pretrainer.observe.laws import LAMBDAS, momentum
+
+    rng = np.random.default_rng(0)
+    for n in (7, 300_000):
+        x = np.maximum(rng.standard_normal(n), 0.0) * 1e-4
+        for lam in LAMBDAS:
+            want = lfilter([1.0], [1.0, -lam], x)
+            np.testing.assert_allclose(momentum(x, lam), want, rtol=1e-12, atol=0)

@@ -219,3 +219,22 @@ def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
         h.start_grace(20)
         found = [st for st, v in bumped if h.after_step(st, v, 1.0) != OK]
         assert [st - cfg.persistence + 1 for st in found] == onsets
+
+
+def test_eval_lines_found_across_chunk_boundaries(tmp_path, monkeypatch):
+    """The byte search for eval lines: `val/` and `eval/` keys, lines cut by the read's chunks, a torn last line."""
+    from pretrainer.observe import health
+
+    rows = []
+    for step in range(1, 400):
+        rows.append({"step": step, "loss": 3.0, "step_losses": [[step, 3.0]]})
+        if step % 7 == 0:
+            rows.append({"step": step, "val/ref": 2.5 + step * 1e-3})
+        if step % 11 == 0:
+            rows.append({"step": step, "eval/hellaswag": 0.3})
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 400, "val/ref": 2.'  # killed mid-line
+    (tmp_path / "metrics.jsonl").write_text(text)
+    want = [r for r in rows if any(k.startswith(("val/", "eval/")) for k in r)]
+    for chunk in (37, 1000, 1 << 24):  # chunks shorter than a line, a few lines, the whole file
+        monkeypatch.setattr(health, "CHUNK_BYTES", chunk)
+        assert list(health._eval_rows(tmp_path / "metrics.jsonl")) == want

@@ -146,7 +146,9 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
     }
 
 
-EVAL_MARKERS = (b'"val/', b'"eval/')
+EVAL_MARKER = b"val/"
+"""In every `val/...` and `eval/...` key: one search finds both (each search is a pass over the file, ~0.6 ns a
+byte)."""
 CHUNK_BYTES = 1 << 24
 
 
@@ -160,24 +162,23 @@ def _eval_rows(path: Path):
         while chunk := f.read(CHUNK_BYTES):
             buf = tail + chunk
             cut = buf.rfind(b"\n") + 1
-            buf, tail = buf[:cut], buf[cut:]
-            yield from _marked_lines(buf)
-        yield from _marked_lines(tail)
+            yield from _marked_lines(buf, cut)  # searched in place: no copy of the chunk's whole lines
+            tail = buf[cut:]
+        yield from _marked_lines(tail, len(tail))
 
 
-def _marked_lines(buf: bytes):
-    starts = set()
-    for marker in EVAL_MARKERS:
-        at = buf.find(marker)
-        while at >= 0:
-            start = buf.rfind(b"\n", 0, at) + 1
-            starts.add(start)
-            end = buf.find(b"\n", at)
-            at = buf.find(marker, end if end >= 0 else len(buf))
-    for start in sorted(starts):
-        end = buf.find(b"\n", start)
+def _marked_lines(buf: bytes, stop: int):
+    """The eval lines of `buf[:stop]`."""
+    starts = []
+    at = buf.find(EVAL_MARKER, 0, stop)
+    while at >= 0:
+        starts.append(buf.rfind(b"\n", 0, at) + 1)
+        end = buf.find(b"\n", at, stop)
+        at = buf.find(EVAL_MARKER, end, stop) if end >= 0 else -1
+    for start in starts:
+        end = buf.find(b"\n", start, stop)
         try:
-            m = json.loads(buf[start : end if end >= 0 else len(buf)])
+            m = json.loads(buf[start : end if end >= 0 else stop])
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
         if any(k.startswith(("val/", "eval/")) for k in m):

@@ -18,11 +18,12 @@ Several starts; Huber weights from the residuals, iterated; each curve weighted 
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import least_squares
-from scipy.signal import lfilter
 
 LAMBDAS = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 """The annealing law's delay factors (the paper's default is 0.999 at ~10^4-10^5 steps)."""
@@ -38,9 +39,32 @@ ETA_FLOOR = 1e-3
 
 def sums_at(x: np.ndarray, steps: np.ndarray) -> np.ndarray:
     """sum(x[:t]) for each t in `steps` (0 where t <= 0)."""
-    c = np.cumsum(x)
-    at = np.clip(steps, 0, len(x))
+    return _at(np.cumsum(x), steps)
+
+
+def _at(c: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`sums_at` from the cumulative sum `c`."""
+    at = np.clip(steps, 0, len(c))
     return np.where(at > 0, c[np.maximum(at - 1, 0)] if len(c) else 0.0, 0.0)
+
+
+def momentum(x: np.ndarray, lam: float) -> np.ndarray:
+    """m_i = lam * m_{i-1} + x_i from m_-1 = 0 (scipy's `lfilter([1], [1, -lam], x)`, whose import costs check_run
+    0.4 s), as array operations: within a block where lam^-k stays under 1e250, m is a cumulative sum of x_j lam^-j
+    scaled back by lam^i, the block's start carried in; each term keeps its relative precision."""
+    n = len(x)
+    block = max(1, int(250 / -math.log10(lam)))
+    p = lam ** np.arange(min(block, n), dtype=float)
+    out = np.empty(n)
+    carry = 0.0
+    for a in range(0, n, block):
+        k = min(block, n - a)
+        c = np.cumsum(x[a : a + k] / p[:k])
+        c += lam * carry
+        c *= p[:k]
+        out[a : a + k] = c
+        carry = float(c[-1])
+    return out
 
 
 def falls(lr: np.ndarray, warmup: int) -> np.ndarray:
@@ -51,26 +75,18 @@ def falls(lr: np.ndarray, warmup: int) -> np.ndarray:
     return drop
 
 
-def areas_at(
-    lr: np.ndarray, warmup: int, lams: tuple[float, ...], steps: np.ndarray
-) -> tuple[np.ndarray, dict[float, np.ndarray]]:
-    """S1 and, for each lam, the annealing area S2 after the given steps only: one pass over the LR sequence for S1,
-    and for S2 one pass from the first LR fall on (none for the stable phase of a WSD run). A 10M-step run costs
-    ~0.1 s and a few arrays of its length, where the full arrays for each lam would cost seconds and gigabytes."""
-    lr = np.asarray(lr, float)
-    steps = np.asarray(steps, int)
-    s1 = sums_at(lr, steps)
-    drop = falls(lr, warmup)
-    where = np.flatnonzero(drop)
+def annealing_areas(drop: np.ndarray, where: np.ndarray, lams: tuple[float, ...], steps: np.ndarray) -> dict:
+    """For each lam, the annealing area S2 after the given steps only, from the LR's falls (`drop`, nonzero at
+    `where`): one pass from the first fall on (none for the stable phase of a WSD run). A 10M-step run costs ~0.1 s
+    and a few arrays of its length, where the full arrays for each lam would cost seconds and gigabytes."""
     out = {}
     for lam in lams:
         if not len(where):
             out[lam] = np.zeros(len(steps))
             continue
         first = int(where[0])  # the momentum is 0 before the first fall
-        m = lfilter([1.0], [1.0, -lam], drop[first:])  # m_i = lam * m_{i-1} + drop_i, in C
-        out[lam] = sums_at(m, steps - first - 1)
-    return s1, out
+        out[lam] = sums_at(momentum(drop[first:], lam), steps - first - 1)
+    return out
 
 
 @dataclass
@@ -86,13 +102,29 @@ class Basis:
     steps all <= or all > every step in `steps`."""
 
 
+_LAST: list = []
+"""The last sequence's passes, with a weak reference to it: the forecast asks for several bases of one run's LR
+(fit, validation, the drift check, the band); at 10M steps each pass costs ~0.1 s."""
+
+
+def _passes(lr: np.ndarray, warmup: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cumulative LR, its falls, where it falls) of `lr`, reused while the same array, unchanged, is asked again."""
+    # nothing here changes an LR array in place; a sample of its values guards against it all the same
+    key = (warmup, len(lr), float(lr[:: max(1, len(lr) // 4096)].sum()))
+    if _LAST and _LAST[0]() is lr and _LAST[1] == key:
+        return _LAST[2]
+    drop = falls(lr, warmup)
+    out = (np.cumsum(lr), drop, np.flatnonzero(drop))
+    _LAST[:] = [weakref.ref(lr), key, out]
+    return out
+
+
 def basis(lr: np.ndarray, warmup: int, steps) -> Basis:
     """Areas at `steps` and the grouped falls: O(len(lr)) once, then nothing per step in the searches."""
     lr = np.asarray(lr, float)
     steps = np.atleast_1d(np.asarray(steps, int))
-    s1, s2 = areas_at(lr, warmup, LAMBDAS, steps)
-    drop = falls(lr, warmup)
-    j = np.flatnonzero(drop)
+    cum, drop, j = _passes(lr, warmup)
+    s1, s2 = _at(cum, steps), annealing_areas(drop, j, LAMBDAS, steps)
     if not len(j):
         empty = np.zeros(0)
         return Basis(steps, s1, s2, (empty, empty, empty, empty))
@@ -105,7 +137,6 @@ def basis(lr: np.ndarray, warmup: int, steps) -> Basis:
     n = int(gid.max()) + 1
     total = np.bincount(gid, d, n)
     keep = total > 0
-    cum = np.cumsum(lr)
     before = cum[k - 2]  # the area up to step k - 1
 
     def mean(v: np.ndarray) -> np.ndarray:

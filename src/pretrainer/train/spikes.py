@@ -1,10 +1,11 @@
 """Loss-spike detection against the local trend, in units of the noise around that trend.
 
 Rule: over the last `window` healthy steps, fit the trend robustly (a quadratic in the step, refit once without the
-points more than 3 robust sd off it), predict the current step, and measure the noise as the robust sd
-(1.4826 x MAD) of the residuals, floored at `min_rel_scale` x the predicted loss. A step's z-score is its residual
-over the noise. A step is *suspect* when z > threshold / 2; a spike is `persistence` suspect steps in a row whose mean
-z exceeds `threshold`, dated from the first (the onset). NaN/inf in the loss or the gradient norm is a spike at once.
+points more than 3 robust sd off it), predict the current step, and measure the noise as the robust sd of the
+residuals (1.4826 x their median absolute value), floored at `min_rel_scale` x the predicted loss. A step's z-score
+is its residual over the noise. A step is *suspect* when z > threshold / 2; a spike is `persistence` suspect steps
+in a row whose mean z exceeds `threshold`, dated from the first (the onset). NaN/inf in the loss or the gradient
+norm is a spike at once.
 
 Why a trend: while the loss is falling, the spread of raw levels in a window measures the descent, not the noise;
 residuals from the fitted trend measure the noise alone, so the same threshold holds on a steep early curve, a
@@ -49,7 +50,9 @@ class Verdict:
 
 
 def robust_sd(residuals: np.ndarray) -> float:
-    return MAD_TO_SD * float(np.median(np.abs(residuals - np.median(residuals))))
+    """1.4826 x the median absolute residual. Around 0, not the residuals' median: the fit has centred them (robust
+    regression's usual scale), and the replay then sorts each of its millions of windows once, not twice."""
+    return MAD_TO_SD * float(np.median(np.abs(residuals)))
 
 
 def inflation(rho, persistence: int):
