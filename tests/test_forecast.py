@@ -212,3 +212,19 @@ def test_momentum_is_the_first_order_filter():
         for lam in LAMBDAS:
             want = lfilter([1.0], [1.0, -lam], x)
             np.testing.assert_allclose(momentum(x, lam), want, rtol=1e-12, atol=0)
+
+
+def test_the_band_holds_one_eval_of_noise_and_the_drift_check_more():
+    """The final value is one noisy eval: the band's noise is the curve's point-to-point scatter (the trend left out),
+    so at the last observed step the band is ~Z90 x the noise added; the drift check keeps the fit's residual sd."""
+    from pretrainer.observe.forecast import Z90, drift_band, scatter
+
+    c = drawn("cosine", seed=3, noise=0.02)
+    assert scatter(c.loss) == pytest.approx(0.02, rel=0.25)  # a curve falling from 5 to 2: the descent is not noise
+    assert scatter(c.loss[:3]) is None
+    f = fit([c], laws=("annealing",))
+    v, lo, hi = predict(f, c.lr, [int(c.steps[-1])], W)
+    assert (hi - v)[0] == pytest.approx(Z90 * 0.02, rel=0.35)
+    assert (hi - v)[0] >= Z90 * f.scatter  # the parameters' term adds to the noise, in quadrature
+    dv, dhi = drift_band(f, c.lr, [int(c.steps[-1])], W)
+    assert dv[0] == v[0] and dhi[0] - dv[0] >= Z90 * f.sigma
