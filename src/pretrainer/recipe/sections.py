@@ -414,7 +414,8 @@ class SpikesSection(Section):
     """Healthy steps the trend is fitted on."""
     threshold: float = Field(default=3.5, gt=0)
     """Mean z-score over `persistence` steps in a row that makes a spike; z is a loss's residual from the fitted
-    trend in robust sd of the noise around it (1.4826 x MAD). Each of those steps is above threshold / 2."""
+    trend in robust sd of the noise around it (1.4826 x the median absolute residual). Each of those steps is above
+    threshold / 2."""
     persistence: int = Field(default=3, ge=1)
     """Suspect steps in a row that make a spike (NaN/inf: one step)."""
     min_history: int = Field(default=20, ge=3)
