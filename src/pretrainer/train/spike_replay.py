@@ -25,7 +25,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
-from .spikes import MAD_TO_SD, SpikeDetector, inflation
+from .spikes import MAD_TO_SD, SpikeDetector, inflation, tail_sd
 
 CHUNK = 32768
 """Most windows fitted per batch: ~26 MB per array at the default window of 100."""
@@ -97,9 +97,9 @@ def batched_trend_fit(
             resid = y - (coef[:, :1] + u * (coef[:, 1:2] + u * coef[:, 2:]))
         dev = np.abs(resid)  # `spikes.robust_sd`: around 0
         dev.sort(axis=1)  # in place: `dev` is this call's own
-        return coef, resid, MAD_TO_SD * _sorted_median(dev)
+        return coef, resid, MAD_TO_SD * _sorted_median(dev), tail_sd(dev)
 
-    coef, resid, sd = fit(u, losses, None)
+    coef, resid, sd, tail = fit(u, losses, None)
     keep = np.abs(resid) <= (3 * sd)[:, None]
     if not sd.all():
         keep[sd <= 0] = True
@@ -107,8 +107,8 @@ def batched_trend_fit(
     again = (count > deg + 2) & (count < n)
     if again.any():
         ua = u[again] if u.ndim == 2 else u
-        c2, r2, s2 = fit(ua, losses[again], keep[again].astype(float))
-        coef[again], resid[again], sd[again] = c2, r2, s2
+        c2, r2, s2, t2 = fit(ua, losses[again], keep[again].astype(float))
+        coef[again], resid[again], sd[again], tail[again] = c2, r2, s2, t2
         keep[again] = np.abs(r2) <= 3 * s2[:, None]
         n_in = keep.sum(axis=1)
     else:
@@ -117,7 +117,7 @@ def batched_trend_fit(
     kept = resid * keep
     power = _rowdot(kept, kept)  # the inliers' sum of squares: their sd and the autocorrelation's denominator
     inlier_sd = np.sqrt(power / np.maximum(n_in - deg - 1, 1)) / 0.986
-    sd = np.where(ok, np.maximum(sd, inlier_sd), sd)
+    sd = np.maximum(np.where(ok, np.maximum(sd, inlier_sd), sd), tail)
     rho = np.clip(_rowdot(kept[:, :-1], kept[:, 1:]) / np.where(power > 0, power, 1.0), 0.0, 0.9)  # `spikes.lag1`
     return coef, span, sd * inflation(rho, persistence)
 
