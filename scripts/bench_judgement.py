@@ -5,6 +5,7 @@ and what it cost.
     python scripts/bench_judgement.py                       # the default corpus, a table
     python scripts/bench_judgement.py --steps 3000 --json   # longer healthy runs, machine-readable
     python scripts/bench_judgement.py --quick               # the test suite's subset (two short runs)
+    python scripts/bench_judgement.py --curve a.csv b.csv   # the spike rule on per-step curves from elsewhere
 
 Healthy runs: the micro recipe (tests/fixtures/micro.yaml) across seeds, learning rates from 3e-3 to 2e-2 (its
 default is 1e-2), global batches of 256 to 4,096 tokens (the smaller, the noisier the per-step loss) and both
@@ -12,9 +13,11 @@ schedules, each with checkpoints every 50 steps and an eval every 50. Incidents,
 600-step run: poisoned samples (random tokens) in 3 steps, a one-step gradient fault (x1000), a NaN loss, Adam's
 moments corrupted (x1e4).
 
-Loss bumps of 0.5 and 1 nat and of 5 and 8 sd of the run's own noise, lasting 1, 3, 5 and 10 steps, are added, one at a time, to the healthy runs'
-recorded per-step losses (their real noise) at 8 places each, and the spike rule replayed (equal to the live rule,
-which the corpus checks): recall, delay and recovery by size.
+Loss bumps of 0.5 and 1 nat and of 5 and 8 sd of the run's own noise, lasting 1, 3, 5 and 10 steps, are added, one
+at a time, to the healthy runs' recorded per-step losses (their real noise) at 8 places each, and the spike rule
+replayed (equal to the live rule, which the corpus checks): recall, delay and recovery by size. `--curve` does the
+same on per-step curves exported from other runs (`step,loss[,lr]` CSV, W&B's history export or another
+framework's log), with the recipe's default rule, and counts the spikes the rule finds on them as they are.
 
 What is counted, from each run's own events.jsonl (what the live loop did, nothing recomputed): `skipped_update`,
 `spike`, `rollback`, `skip` (data skipped for good), `recurred`, `absorbed`, `off_track`, and the `health` verdict
@@ -24,6 +27,7 @@ the spike rule over the logged losses (`replayed_spikes`).
 
 from __future__ import annotations
 
+import csv
 import json
 import tempfile
 import time
@@ -83,6 +87,12 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     p.add_argument(
         "--noise-models", action="store_true", help="only the rule's false alarms on 1M-step synthetic curves"
+    )
+    p.add_argument(
+        "--curve",
+        type=Path,
+        nargs="+",
+        help="only the rule on these per-step curves from elsewhere (CSV: step,loss[,lr]): spikes and bump recall",
     )
     return p.parse_args(argv)
 
@@ -155,9 +165,43 @@ def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
     """Recall and delay of the spike rule (the live rule: the replay equals it) on the healthy runs' own noise: each
     run's recorded per-step losses with a bump of each size and length added at `positions` places (one at a time,
     after warmup, the grace and a full window), replayed with the run's own rule. Found: an episode detected from the
-    bump on whose onset lies within it (or up to `persistence` - 1 steps before: a suspect step of noise); delay: the detection step after the bump's first step; recovered: the loss came back under the
-    pre-spike trend."""
+    bump on whose onset lies within it (or up to `persistence` - 1 steps before: a suspect step of noise); delay: the
+    detection step after the bump's first step; recovered: the loss came back under the pre-spike trend."""
+    return bumps_on([_run_series(d) for d in run_dirs], positions)
+
+
+def _run_series(d: Path) -> dict:
+    """A run's timeline for the rule: its per-step losses, its own `spikes` section, grace starts and warmup."""
     from pretrainer.observe.health import grace_starts, load_run, spike_rule, warmup_of
+
+    run = load_run(d)
+    steps, loss = run["losses"].steps, run["losses"].values.astype(np.float32)
+    return {
+        "steps": steps,
+        "loss": loss,
+        "cfg": spike_rule(run),
+        "graces": grace_starts(run),
+        "warmup": warmup_of(run),
+    }
+
+
+def csv_series(path: Path) -> dict:
+    """A per-step loss curve from elsewhere (`step,loss[,lr]` rows, as W&B or another framework exports it) under
+    the recipe's default rule: warmup is where the LR peaks (0 without an `lr` column), no stage starts."""
+    from pretrainer.recipe.sections import SpikesSection
+
+    with open(path, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if (r.get("loss") or "").strip()]
+    if not rows or not {"step", "loss"} <= set(rows[0]):
+        raise ValueError(f"{path}: needs the columns step,loss (and optionally lr)")
+    steps = np.array([int(float(r["step"])) for r in rows])
+    loss = np.array([float(r["loss"]) for r in rows], np.float32)
+    warmup = int(steps[int(np.argmax([float(r["lr"]) for r in rows]))]) if "lr" in rows[0] else 0
+    return {"steps": steps, "loss": loss, "cfg": SpikesSection(), "graces": [], "warmup": warmup, "name": path.name}
+
+
+def bumps_on(series: list[dict], positions: int = POSITIONS) -> dict:
+    """`bump_recall` over curves given as `_run_series` / `csv_series` give them."""
     from pretrainer.train.spike_replay import spike_episodes
     from pretrainer.train.spikes import trend_fit
 
@@ -166,10 +210,8 @@ def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
         for length in BUMP_STEPS:
             found = delays = recovered = placed = 0
             worst = 0
-            for d in run_dirs:
-                run = load_run(d)
-                steps, loss = run["losses"].steps, run["losses"].values.astype(np.float32)
-                cfg, graces, warmup = spike_rule(run), grace_starts(run), warmup_of(run)
+            for c in series:
+                steps, loss, cfg, graces, warmup = c["steps"], c["loss"], c["cfg"], c["graces"], c["warmup"]
                 first, last = warmup + cfg.grace_steps + cfg.window, len(steps) - length - 20
                 for at in np.linspace(first, last, positions).astype(int).tolist():
                     value, unit = size.split()
@@ -198,6 +240,28 @@ def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
                 "max_delay": worst if found else None,
             }
     return out
+
+
+def curves_judged(paths: list[Path], positions: int = POSITIONS) -> dict:
+    """The rule on per-step curves from elsewhere, taken as healthy: its spikes on each (false alarms, unless the
+    curve had an incident) and its reach on each curve's own noise (bumps)."""
+    from pretrainer.train.spike_replay import spike_episodes
+
+    series = [csv_series(p) for p in paths]
+    rows = []
+    for c in series:
+        eps = spike_episodes((c["steps"], c["loss"]), c["graces"], c["cfg"], c["warmup"])
+        rows.append(
+            {"curve": c["name"], "steps": len(c["steps"]), "spikes": [[e["onset"], e["detected"]] for e in eps]}
+        )
+    steps = sum(r["steps"] for r in rows)
+    spikes = sum(len(r["spikes"]) for r in rows)
+    return {
+        "curves": rows,
+        "steps": steps,
+        "spikes_per_100k_steps": round(spikes * 1e5 / max(steps, 1), 1),
+        "bumps": bumps_on(series, positions),
+    }
 
 
 NOISE_MODELS = ("gaussian", "t5", "t3", "ar0.2", "ar0.4", "ar0.6")
@@ -234,6 +298,9 @@ def main(argv=None) -> int:
     def body() -> int:
         if args.noise_models:
             print(json.dumps(noise_model_false_alarms()))
+            return 0
+        if args.curve:
+            print(json.dumps(curves_judged(args.curve), indent=1))
             return 0
         with tempfile.TemporaryDirectory(prefix="judgement-") as tmp:
             work = args.work_dir or Path(tmp)
