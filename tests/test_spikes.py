@@ -75,6 +75,14 @@ def test_blame_measures_samples_against_the_steps_before():
     broad = [5.5] * 47 + [9.0]
     bad, evidence = measured_outliers(broad, ref)
     assert bad == [] and "whole batch is elevated" in evidence["unexplained"]
+    # per-sample losses have heavy tails: where the healthy reference itself reaches ~6.6 sd, a hard healthy suspect
+    # at ~4.4 sd is inside it and stays; the poisoned ones, ~15 sd out, are blamed
+    sd = 1.4826 * float(np.median(np.abs(np.array(ref) - np.median(ref))))
+    tailed = [*ref[:-2], float(np.median(ref)) + 6.6 * sd, float(np.median(ref)) + 6.0 * sd]
+    suspects = (5.0 + 0.2 * rng.standard_normal(32)).tolist()
+    suspects[3], suspects[20:24] = float(np.median(ref)) + 4.4 * sd, [8.1, 8.2, 8.3, 8.4]
+    bad, evidence = measured_outliers(suspects, tailed)
+    assert bad == [20, 21, 22, 23] and evidence["bar_sigmas"] > 6.6
     assert sample_ranges([5, 6, 7, 20], margin=1) == [(4, 8), (19, 21)]
 
 
@@ -176,10 +184,10 @@ def test_data_linked_spike_is_skipped_on_two_processes_with_z_loss_and_averaging
     assert proc.returncode == 0, proc.stderr[-4000:]
     spikes, rollbacks, skips = events(out, "spike"), events(out, "rollback"), events(out, "skip")
     assert len(spikes) == 1 and len(rollbacks) == 1 and spikes[0]["onset"] == 30
-    # the poisoned 474..485 and the margin; under z-loss the healthy sample 473 also reads 4 sd above the batch's
-    # median at the restored weights (one process with z-loss blames it too: 472..486)
+    # the poisoned 474..485 and the margin, nothing else: under z-loss the healthy sample 473 reads 4.4 sd above the
+    # reference median, inside the reference's own tail (6.6 sd), and is not blamed
     [(stage, first, last)] = [(s["stage"], s["first"], s["last"]) for s in skips]
-    assert stage == 0 and 472 <= first <= 473 and last == 486
+    assert (stage, first, last) == (0, 473, 486)
     rows = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
     assert sum("loss/z" in m for m in rows) >= 4
     newest = ck.list_checkpoints(out / "checkpoints")[-1]

@@ -56,8 +56,12 @@ class SpikeAbort(PretrainerError):
 REFERENCE_STEPS = 8
 """Steps before a spike whose samples are the reference its samples are measured against."""
 BLAME_SIGMAS = 4.0
-"""Robust sd above the reference median that make a sample an outlier. A per-sample loss averages a whole
+"""Robust sd above the reference median that make a sample an outlier, at least. A per-sample loss averages a whole
 sequence's tokens; a random-token or repeated-garbage sample sits tens of sd above, a hard but healthy one a few."""
+BEYOND_REFERENCE = 1.25
+"""And 25% beyond the reference's own most extreme sample: per-sample losses have heavy tails (the poison drill's
+128 healthy reference samples reach 6.6 sd under z-loss, and a healthy suspect 4.4 sd, where the poisoned ones
+sit at 13.8-20.7): a skip is permanent, so a sample must stand out from the healthy ones measured beside it."""
 
 
 class Blame(NamedTuple):
@@ -88,14 +92,20 @@ def measured_outliers(
         return bad, {**evidence, "outliers": len(bad)}
     med = statistics.median(base)
     scale = max(MAD_TO_SD * statistics.median(abs(v - med) for v in base), 0.01 * abs(med), 1e-8)
-    bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or (v - med) / scale > BLAME_SIGMAS]
+    bar = max(BLAME_SIGMAS, BEYOND_REFERENCE * (max(base) - med) / scale)
+    bad = [i for i, v in enumerate(losses) if not math.isfinite(v) or (v - med) / scale > bar]
     mean_ref = statistics.fmean(base)
     mean_all = statistics.fmean(finite) if finite else math.inf
     blamed = set(bad)
     rest = [v for i, v in enumerate(losses) if i not in blamed]
     mean_rest = statistics.fmean(rest) if rest else mean_ref
     evidence.update(
-        reference_median=med, reference_sd=scale, suspect_mean=mean_all, reference_mean=mean_ref, outliers=len(bad)
+        reference_median=med,
+        reference_sd=scale,
+        bar_sigmas=bar,
+        suspect_mean=mean_all,
+        reference_mean=mean_ref,
+        outliers=len(bad),
     )
     explains = not rest or mean_rest - mean_ref <= (mean_all - mean_ref) / 2
     if bad and not explains:
@@ -275,7 +285,8 @@ class SpikeHandler:
 
         Every sample of the spike's steps is scored against the per-sample losses of up to `REFERENCE_STEPS` steps
         before it in the same stage (the same weights: a sample's loss measured, not a step's replayed). Blamed:
-        the samples more than `BLAME_SIGMAS` robust sd above the reference median (non-finite ones always), and only
+        the samples more than `BLAME_SIGMAS` robust sd above the reference median and `BEYOND_REFERENCE` times as far
+        as the reference's own most extreme sample (non-finite ones always), and only
         when leaving them out takes at least half of the spike's excess over the reference mean away. Otherwise
         nothing is blamed: the data of those steps look like the data before them.
         """
