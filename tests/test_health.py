@@ -48,6 +48,13 @@ def test_plateaued():
     rng = np.random.default_rng(1)
     losses = [(s, 3.0 + 0.02 * rng.standard_normal()) for s in range(400)]
     assert verdict(losses, [], [], True, 0)[0] == "plateaued"
+    # a small batch's noisy loss, flat for its first 40 steps (a micro run's brief early plateau): quarters of 10
+    # steps cannot measure 0.2% of progress, so no verdict; flat for 40,000 steps they can
+    noisy = 5.5 + 0.15 * rng.standard_normal(40_000)
+    early = noisy[:40].copy()
+    early[30:] += np.median(early[20:30]) - np.median(early[30:]) + 0.01  # its last quarter 0.2% above the one before
+    assert verdict(list(enumerate(early.tolist())), [], [], False, 0)[0] == "healthy"
+    assert verdict(list(enumerate(noisy.tolist())), [], [], False, 0)[0] == "plateaued"
 
 
 def test_overfitting():
