@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..train.spikes import MAD_TO_SD
+from ..train.spikes import diff_scatter
 from .laws import LAWS, Basis, LawFit, Series, basis, fit_law
 
 Z90 = 1.645
@@ -275,13 +275,9 @@ def fit(curves: list[Curve], *, max_points: int = MAX_POINTS, laws: tuple[str, .
 
 
 def scatter(loss: np.ndarray) -> float | None:
-    """The noise of one observation: the robust sd of successive differences (about their median, so a steady trend
-    is not noise) over sqrt(2); None under 3 differences. Unlike the fit's residual sd it holds no misfit of the law,
-    which the band counts apart (the validation spread)."""
-    d = np.diff(loss)
-    if len(d) < 3:
-        return None
-    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / np.sqrt(2)
+    """The noise of one observation (`spikes.diff_scatter`; None under 4 points). Unlike the fit's residual sd it
+    holds no misfit of the law, which the band counts apart (the validation spread)."""
+    return diff_scatter(loss) if len(loss) >= 4 else None
 
 
 def credible(lf: LawFit, end: Basis) -> bool:

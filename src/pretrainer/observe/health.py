@@ -23,7 +23,7 @@ from .. import checkpoint as ck
 from ..evaluation.context import context_verdict
 from ..recipe.sections import SpikesSection
 from ..train.spike_replay import lived_episodes, spike_episodes, timeline
-from ..train.spikes import MAD_TO_SD
+from ..train.spikes import diff_scatter
 from . import events as ev
 from .cbs import measured_lines, read_results
 from .steprecord import Record, read_record
@@ -317,7 +317,7 @@ def verdict(
         # "no measurable progress" needs medians that would measure PLATEAU_RATIO: the sd of their difference (1.2533
         # sd / sqrt(q) each, sd the per-step scatter) under it. Early in a run with a small batch they do not (a micro
         # run's first 40 steps at 1,024 tokens: 1.5% against 0.2%), and a brief early plateau is no verdict.
-        resolution = math.sqrt(2) * 1.2533 * step_scatter(finite[-2 * q :]) / math.sqrt(q)
+        resolution = math.sqrt(2) * 1.2533 * diff_scatter(finite[-2 * q :]) / math.sqrt(q)
         if (prev - last) / abs(prev) < PLATEAU_RATIO and resolution <= PLATEAU_RATIO * abs(prev):
             return "plateaued", [f"the last quarter improved {(prev - last) / abs(prev):.2%} on the one before"]
     n_spikes = max(sum(e["event"] == ev.SPIKE for e in events), len(episodes or []))
@@ -329,22 +329,13 @@ def verdict(
     return "healthy", ["loss trend falling, no spikes"]
 
 
-def step_scatter(values: np.ndarray) -> float:
-    """The step-to-step noise of a loss series: the robust sd of its successive differences (about their median, so
-    a steady trend is not noise) over sqrt(2)."""
-    d = np.diff(values)
-    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) else 0.0
-
-
 def eval_scatter(vals: list[tuple[int, float]], last: int = 10) -> float:
     """The eval-to-eval noise of a validation series: the robust sd of its last `last` successive differences (about
     their median, so a steady trend is not noise) over sqrt(2). It holds what `val/ref_se` cannot: the weights
     themselves move between evals (a high LR, a small batch), so two evals of the same batches differ by more than
     their batches' spread. 0 with fewer than 7 differences (too few to tell scatter from a bend in the curve)."""
-    d = np.diff([v for _, v in vals[-(last + 1) :]])
-    if len(d) < 7:
-        return 0.0
-    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2)
+    v = [x for _, x in vals[-(last + 1) :]]
+    return diff_scatter(v) if len(v) >= 8 else 0.0
 
 
 class HealthMonitor:

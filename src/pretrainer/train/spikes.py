@@ -56,6 +56,14 @@ def robust_sd(residuals: np.ndarray) -> float:
     return MAD_TO_SD * float(np.median(np.abs(residuals)))
 
 
+def diff_scatter(values) -> float:
+    """The point-to-point noise of a series: the robust sd of its successive differences (about their median, so a
+    steady trend is not noise) over sqrt(2); 0 under two points. Used where a level's noise must not include the
+    misfit of a curve drawn through it (the forecast band, the health verdicts)."""
+    d = np.diff(np.asarray(values, float))
+    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) else 0.0
+
+
 TAIL_Q, TAIL_Z = 0.95, 1.96
 """The window's 95th percentile of |residual| and where a Gaussian puts it (1.96 sd)."""
 
