@@ -25,7 +25,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
-from .spikes import MAD_TO_SD, SpikeDetector, inflation, tail_sd
+from .spikes import MAD_TO_SD, SpikeDetector, inflation, lag1_of, tail_sd
 
 CHUNK = 32768
 """Most windows fitted per batch: ~26 MB per array at the default window of 100."""
@@ -88,7 +88,8 @@ def batched_trend_fit(
 
     vander = np.vander(u, 3, increasing=True).T if u.ndim == 1 else None
 
-    def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(coefficients, residuals, MAD sd, tail sd) per row."""
         coef = _solve(u, y, w)
         if vander is not None:  # one matrix product for every row's quadratic
             resid = coef @ vander
@@ -118,8 +119,7 @@ def batched_trend_fit(
     power = _rowdot(kept, kept)  # the inliers' sum of squares: their sd and the autocorrelation's denominator
     inlier_sd = np.sqrt(power / np.maximum(n_in - deg - 1, 1)) / 0.986
     sd = np.maximum(np.where(ok, np.maximum(sd, inlier_sd), sd), tail)
-    rho = np.clip(_rowdot(kept[:, :-1], kept[:, 1:]) / np.where(power > 0, power, 1.0), 0.0, 0.9)  # `spikes.lag1`
-    return coef, span, sd * inflation(rho, persistence)
+    return coef, span, sd * inflation(lag1_of(kept, power), persistence)
 
 
 class _Table:
