@@ -184,10 +184,17 @@ def test_batched_trend_fit_is_the_live_fit():
     steps = np.sort(rng.choice(np.arange(10_000), (64, 100)), axis=1).astype(float) + np.arange(100)  # rising
     losses = 3 + 0.02 * rng.standard_normal((64, 100)) + 0.5 * (rng.random((64, 100)) < 0.02)
     at = steps[:, -1] + 3
-    coef, _, sd = batched_trend_fit(steps, losses, at)
+    fits = batched_trend_fit(steps, losses, at)
     live = np.array([trend_fit(steps[i], losses[i], at[i]) for i in range(64)])
-    np.testing.assert_allclose(coef[:, 0], live[:, 0], rtol=1e-10)
-    np.testing.assert_allclose(sd, live[:, 1], rtol=1e-8)
+    np.testing.assert_allclose(fits.coef[:, 0], live[:, 0], rtol=1e-10)
+    np.testing.assert_allclose(fits.scale, live[:, 1], rtol=1e-8)
+    # the same window judging a later step (a suspect pending): the trend and its scale there, as live refits them
+    later = steps[:, -1] + 6
+    u = (later - at) / fits.span
+    again = np.array([trend_fit(steps[i], losses[i], later[i]) for i in range(64)])
+    c = fits.coef
+    np.testing.assert_allclose(c[:, 0] + u * (c[:, 1] + u * c[:, 2]), again[:, 0], rtol=1e-10)
+    np.testing.assert_allclose(fits.scale_at(np.arange(64), u, 3, 100), again[:, 1], rtol=1e-8)
 
 
 def test_one_rule_live_and_replayed_with_the_runs_own_parameters():

@@ -15,6 +15,7 @@ from scipy.signal import lfilter
 
 from pretrainer import checkpoint as ck
 from pretrainer.observe.tracking import read_jsonl
+from pretrainer.train import spikes
 from pretrainer.train.recovery import measured_outliers
 from pretrainer.train.spike_replay import spike_episodes
 from pretrainer.train.spikes import SpikeDetector, inflation, sample_ranges, trend_fit
@@ -255,7 +256,8 @@ def test_defaults_find_5sd_3_step_spikes_where_the_level_rule_is_blind():
     import bench_spikes as b
 
     # every 5- and 10-sd spike of 3 and 10 steps on Gaussian noise; on the heavy-tailed curve (t(3) noise), whose
-    # scale the rule widens to its own tails, the 5-sd ones of 3 steps may read as its noise: 5 of 7 at least
+    # scale the rule widens to its own tails, the 5-sd ones of 3 steps may read as its noise, and 40 steps into a
+    # stage (the trend's own error still wide) those of 10 steps too: 10 of 14 at least
     missed = []
     for kind in b.KINDS:
         shift = b.BOUNDARY if kind.endswith("+shift") else None
@@ -268,8 +270,8 @@ def test_defaults_find_5sd_3_step_spikes_where_the_level_rule_is_blind():
                 onsets = b.run_detector(SpikeDetector, losses, shift, start=max(b.WARMUP, pos - 250))
                 if not any(pos - 2 <= o < pos + length for o in onsets):
                     missed.append((kind, size, length, name))
-    assert all(k.startswith("noisy") and (s, n) == (5, 3) for k, s, n, _ in missed), missed
-    assert len(missed) <= 2, missed
+    assert all(k.startswith("noisy") and s == 5 and (n == 3 or at == "after shift") for k, s, n, at in missed), missed
+    assert len(missed) <= 4, missed
     # the old rule on a steep early descent: the window's spread is the descent, and a 5-sd spike hides in it
     losses, sd = b.curve("power", 460, seed=3)
     losses[400:403] += 5 * sd[400:403]
@@ -286,12 +288,19 @@ def test_defaults_no_false_alarms_on_falling_flat_and_shifted_curves():
             assert b.run_detector(SpikeDetector, losses, b.BOUNDARY if "shift" in kind else None) == [], (kind, seed)
 
 
-def test_stage_shift_is_not_a_spike_and_judging_resumes_quickly():
+def test_stage_shift_is_not_a_spike_and_its_transient_does_not_blind_the_rule():
     import bench_spikes as b
 
     losses, sd = b.curve("plateau+shift", b.BOUNDARY + 200, seed=0)  # +0.3 = 30 noise sd at the boundary
-    losses[b.BOUNDARY + 25 : b.BOUNDARY + 28] += 5 * sd[0]
-    assert b.run_detector(SpikeDetector, losses, b.BOUNDARY, start=b.BOUNDARY - 300) == [b.BOUNDARY + 25]
+    losses[b.BOUNDARY : b.BOUNDARY + 20] += 0.5 * np.exp(-np.arange(20) / 5)  # the new stage's first steps settle
+    assert b.run_detector(SpikeDetector, losses, b.BOUNDARY, start=b.BOUNDARY - 300) == []
+    # judging resumes after the grace (20 steps) and the new stage's own history (min_history, 20); the settling
+    # steps are not in the trend, whose misfit of them would widen the scale past these bumps. A trend from a few
+    # dozen steps is uncertain, and the scale says so: 8 sd at once, 5 sd once ~60 steps are in
+    for at, size in ((45, 8), (60, 8), (80, 5), (100, 5)):
+        bumped = losses.copy()
+        bumped[b.BOUNDARY + at : b.BOUNDARY + at + 3] += size * sd[0]
+        assert b.run_detector(SpikeDetector, bumped, b.BOUNDARY, start=b.BOUNDARY - 300) == [b.BOUNDARY + at], at
 
 
 TINY_ONE_STAGE = [
@@ -370,3 +379,20 @@ def test_correlated_noise_widens_the_scale_and_keeps_the_false_alarm_rate():
     s = np.arange(1, n + 1)
     loss = (3 + 3 / np.sqrt(s) + 0.02 * _ar(0.6, n, 7)).astype(np.float32)
     assert len(spike_episodes((s, loss), [], None, start=20)) <= 12
+
+
+def test_a_trend_from_a_few_dozen_steps_does_not_read_its_own_error_as_spikes(monkeypatch):
+    """Judging starts 20 steps after the grace, with a quadratic fitted on those steps alone: extrapolated, its error
+    is ~1.5x the noise sd (leverage 0.55 at 20 steps against 0.09 at a full window), and the same for every step of a
+    persistent run, so the scale carries it. 300 healthy starts of 140 steps: none is a spike; without it, several."""
+    import bench_spikes as b
+
+    def false_spikes() -> int:
+        starts = [
+            b.curve(kind, b.WARMUP + 140, seed)[0] for kind in ("power", "plateau", "noisy") for seed in range(100)
+        ]
+        return sum(len(b.run_detector(SpikeDetector, losses, None)) for losses in starts)
+
+    assert false_spikes() == 0
+    monkeypatch.setattr(spikes, "full_leverage", lambda window: math.inf)  # no widening for the trend's error
+    assert false_spikes() >= 4

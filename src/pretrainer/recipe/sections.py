@@ -419,10 +419,10 @@ class SpikesSection(Section):
     persistence: int = Field(default=3, ge=1)
     """Suspect steps in a row that make a spike (NaN/inf: one step)."""
     min_history: int = Field(default=20, ge=3)
-    """Steps of the current stage needed before the trend is judged."""
+    """Steps of the current stage after its grace needed before the trend is judged."""
     grace_steps: int = Field(default=20, ge=0)
-    """No judgement this many steps after warmup and after each stage start (the trend is refitted on the new
-    stage's steps)."""
+    """No judgement this many steps after warmup and after each stage start; the trend is then fitted on the steps
+    after it alone (a run's or a stage's first steps are a transient its quadratic cannot follow)."""
     max_rollbacks: int = Field(default=5, ge=1)
     """Rollbacks allowed within `rollback_window` steps."""
     rollback_window: int = Field(default=1000, ge=1)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
-from .spikes import MAD_TO_SD, SpikeDetector, inflation, lag1_of, tail_sd
+from .spikes import MAD_TO_SD, SpikeDetector, edge_leverage, full_leverage, inflation, lag1_of, tail_sd
 
 CHUNK = 32768
 """Most windows fitted per batch: ~26 MB per array at the default window of 100."""
@@ -46,19 +47,20 @@ def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", a, b)
 
 
-def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> np.ndarray:
-    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3).
-    A 1-D u (W,) is every row's (consecutive steps): unweighted, one 3x3 system serves all rows, one matrix product;
-    weighted, the power sums of all rows are one matrix product too."""
+def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3)
+    and the power sums of the fitted points (B, 5; `spikes.edge_leverage`). A 1-D u (W,) is every row's (consecutive
+    steps): unweighted, one 3x3 system serves all rows, one matrix product; weighted, the power sums of all rows are
+    one matrix product too."""
     if u.ndim == 1:
-        if w is None:
-            a = np.vander(u, 3, increasing=True)
-            return y @ np.linalg.solve(a.T @ a, a.T).T
         v = np.vander(u, 5, increasing=True)
+        if w is None:
+            a = v[:, :3]
+            return y @ np.linalg.solve(a.T @ a, a.T).T, np.broadcast_to(v.sum(axis=0), (len(y), 5))
         sums = w @ v  # (B, 5): sum of w u^k
         gram = sums[:, [[0, 1, 2], [1, 2, 3], [2, 3, 4]]]
         rhs = (w * y) @ v[:, :3]
-        return np.linalg.solve(gram, rhs[..., None])[..., 0]
+        return np.linalg.solve(gram, rhs[..., None])[..., 0], sums
     wu = u if w is None else w * u
     wu2 = wu * u
     s0 = np.full(len(u), float(u.shape[1])) if w is None else w.sum(axis=1)
@@ -66,16 +68,35 @@ def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> np.ndarray:
     gram = np.stack([np.stack(x, axis=-1) for x in ((s0, s1, s2), (s1, s2, s3), (s2, s3, s4))], axis=-2)
     wy = y if w is None else w * y
     rhs = np.stack([wy.sum(axis=1), _rowdot(wu, y), _rowdot(wu2, y)], axis=-1)
-    return np.linalg.solve(gram, rhs[..., None])[..., 0]
+    return np.linalg.solve(gram, rhs[..., None])[..., 0], np.stack([s0, s1, s2, s3, s4], axis=-1)
 
 
-def batched_trend_fit(
-    steps: np.ndarray, losses: np.ndarray, at: np.ndarray, persistence: int = 3
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`spikes.trend_fit` for B windows at once: steps and losses (B, W) with W >= 8, at (B,) -> the quadratic's
-    coefficients (B, 3) in u = (step - at) / span, span (B,) and the noise sd (B,). The prediction at `at` is
-    coefficient 0; at another step t it is the quadratic at u = (t - at) / span (the same line, refitted
-    elsewhere, agrees up to rounding)."""
+class Fits(NamedTuple):
+    """`batched_trend_fit`'s rows."""
+
+    coef: np.ndarray
+    """The quadratic's coefficients (B, 3) in u = (step - at) / span: the prediction at `at` is coefficient 0; at
+    another step t it is the quadratic at u = (t - at) / span (the same line, refitted there, agrees up to
+    rounding)."""
+    span: np.ndarray
+    scale: np.ndarray
+    """The scale at `at` (B,): `spikes.trend_fit`'s second value."""
+    noise: np.ndarray
+    """The noise sd around the trend (B,), before `spikes.widening`."""
+    var: np.ndarray
+    """The noise's own variance inflation for means of `persistence` steps (B,)."""
+    sums: np.ndarray
+    """The fitted points' power sums of u (B, 5): the prediction's leverage anywhere (`spikes.edge_leverage`)."""
+
+    def scale_at(self, rows: np.ndarray, u: np.ndarray, persistence: int, window: int) -> np.ndarray:
+        """The scale of rows' trends at u (the step after a pending suspect, judged by the same window;
+        `spikes.widening`)."""
+        excess = np.maximum(edge_leverage(self.sums[rows], u) - full_leverage(window), 0.0)
+        return self.noise[rows] * np.sqrt(self.var[rows] + persistence * excess)
+
+
+def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, persistence: int = 3) -> Fits:
+    """`spikes.trend_fit` for B windows at once: steps and losses (B, W) with W >= 8, at (B,) -> `Fits`."""
     losses = np.ascontiguousarray(losses)  # windows come as strided views
     deg, n = 2, steps.shape[1]
     if (steps[:, 0] == at - n).all() and (steps[:, -1] == at - 1).all():  # every step logged: one u for all rows
@@ -88,9 +109,9 @@ def batched_trend_fit(
 
     vander = np.vander(u, 3, increasing=True).T if u.ndim == 1 else None
 
-    def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(coefficients, residuals, MAD sd, tail sd) per row."""
-        coef = _solve(u, y, w)
+    def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(coefficients, residuals, MAD sd, tail sd, power sums) per row."""
+        coef, sums = _solve(u, y, w)
         if vander is not None:  # one matrix product for every row's quadratic
             resid = coef @ vander
             np.subtract(y, resid, out=resid)
@@ -98,9 +119,9 @@ def batched_trend_fit(
             resid = y - (coef[:, :1] + u * (coef[:, 1:2] + u * coef[:, 2:]))
         dev = np.abs(resid)  # `spikes.robust_sd`: around 0
         dev.sort(axis=1)  # in place: `dev` is this call's own
-        return coef, resid, MAD_TO_SD * _sorted_median(dev), tail_sd(dev)
+        return coef, resid, MAD_TO_SD * _sorted_median(dev), tail_sd(dev), sums
 
-    coef, resid, sd, tail = fit(u, losses, None)
+    coef, resid, sd, tail, sums = fit(u, losses, None)
     keep = np.abs(resid) <= (3 * sd)[:, None]
     if not sd.all():
         keep[sd <= 0] = True
@@ -108,8 +129,10 @@ def batched_trend_fit(
     again = (count > deg + 2) & (count < n)
     if again.any():
         ua = u[again] if u.ndim == 2 else u
-        c2, r2, s2, t2 = fit(ua, losses[again], keep[again].astype(float))
+        c2, r2, s2, t2, p2 = fit(ua, losses[again], keep[again].astype(float))
         coef[again], resid[again], sd[again], tail[again] = c2, r2, s2, t2
+        sums = np.array(sums)  # a broadcast view when every row shared one
+        sums[again] = p2
         keep[again] = np.abs(r2) <= 3 * s2[:, None]
         n_in = keep.sum(axis=1)
     else:
@@ -119,7 +142,9 @@ def batched_trend_fit(
     power = _rowdot(kept, kept)  # the inliers' sum of squares: their sd and the autocorrelation's denominator
     inlier_sd = np.sqrt(power / np.maximum(n_in - deg - 1, 1)) / 0.986
     sd = np.maximum(np.where(ok, np.maximum(sd, inlier_sd), sd), tail)
-    return coef, span, sd * inflation(lag1_of(kept, power), persistence)
+    var = inflation(lag1_of(kept, power), persistence) ** 2
+    scale = sd * np.sqrt(var + persistence * np.maximum(edge_leverage(sums) - full_leverage(n), 0.0))
+    return Fits(coef, span, scale, sd, var, np.ascontiguousarray(sums))
 
 
 class _Table:
@@ -137,7 +162,8 @@ class _Table:
         stream_l = np.concatenate([hist_l, det.losses[at:end]])
         view_s = np.lib.stride_tricks.sliding_window_view(self.stream, w)[: end - at]
         view_l = np.lib.stride_tricks.sliding_window_view(stream_l, w)[: end - at]
-        self.coef, self.span, self.sd = _fit_rows(view_s, view_l, det.steps[at:end], det.persistence)
+        self.fits = _fit_rows(view_s, view_l, det.steps[at:end], det.persistence)
+        self.coef, self.span, self.sd = self.fits.coef, self.fits.span, self.fits.scale
         pred = self.coef[:, 0]
         scale = np.maximum(np.maximum(self.sd, det.min_rel_scale * np.abs(pred)), 1e-8)
         z = (det.losses[at:end] - pred) / scale
@@ -167,7 +193,8 @@ class _Table:
         u = (det.steps[nxt] - self.stream[r + w]) / self.span[r]
         c = self.coef[r]
         p = c[:, 0] + u * (c[:, 1] + u * c[:, 2])
-        z1 = (det.losses[nxt] - p) / np.maximum(np.maximum(self.sd[r], det.min_rel_scale * np.abs(p)), 1e-8)
+        s = self.fits.scale_at(r, u, det.persistence, w)
+        z1 = (det.losses[nxt] - p) / np.maximum(np.maximum(s, det.min_rel_scale * np.abs(p)), 1e-8)
         r = r[np.isfinite(z1) & (z1 < bar - TIE)]
         taken, prev = [], -2
         for k in r.tolist():  # a lone suspect's next step is judged by its row: it cannot lead a pair of its own
@@ -201,7 +228,7 @@ def _fit_rows(view_s: np.ndarray, view_l: np.ndarray, at: np.ndarray, persistenc
 
     pool = _threads() if len(bounds) > 1 else None
     out = list(pool.map(fit, bounds)) if pool is not None else [fit(p) for p in bounds]
-    return tuple(np.concatenate(x) for x in zip(*out))
+    return Fits(*(np.concatenate(x) for x in zip(*out)))
 
 
 _POOL: list = []
@@ -241,7 +268,8 @@ class _Replay(SpikeDetector):
             t, r = hit
             u = (step - t.stream[r + self.window]) / t.span[r]  # 0 unless suspects are pending
             c0, c1, c2 = t.coef[r]
-            p, s = float(c0 + u * (c1 + u * c2)) if u else float(c0), float(t.sd[r])
+            p = float(c0 + u * (c1 + u * c2)) if u else float(c0)
+            s = float(t.fits.scale_at(r, u, self.persistence, self.window)) if u else float(t.sd[r])
             scale = max(s, self.min_rel_scale * abs(p), 1e-8)
             z = (loss - p) / scale
             if min(abs(z - self.threshold / 2), abs(z - self.threshold)) > TIE:
@@ -280,7 +308,8 @@ class _Replay(SpikeDetector):
             n = int(nonfinite[0]) if len(nonfinite) else n
             if n == 0:
                 break
-            take = slice(i + max(0, n - self.window), i + n)
+            first = i + max(0, n - self.window, int(np.searchsorted(self.steps[i : i + n], self.learn_from)))
+            take = slice(first, i + n)
             self.history.extend(zip(self.steps[take].tolist(), self.losses[take].tolist()))
             i += n
         return i
@@ -423,4 +452,4 @@ def lived_episodes(
     return [e for _, e in sorted(found, key=lambda x: x[0])]
 
 
-__all__ = ["batched_trend_fit", "lived_episodes", "spike_episodes", "spike_episodes_stepwise", "timeline"]
+__all__ = ["Fits", "batched_trend_fit", "lived_episodes", "spike_episodes", "spike_episodes_stepwise", "timeline"]

@@ -3,15 +3,18 @@
 Rule: over the last `window` healthy steps, fit the trend robustly (a quadratic in the step, refit once without the
 points more than 3 robust sd off it), predict the current step, and measure the noise as the robust sd of the
 residuals (1.4826 x their median absolute value, or the inliers' sd, or the 95th percentile of |residual| over 1.96:
-the largest; the last keeps heavy tails from reading as spikes), floored at `min_rel_scale` x the predicted loss.
-A step's z-score is its residual over the noise. A step is *suspect* when z > threshold / 2; a spike is
+the largest; the last keeps heavy tails from reading as spikes), widened for the means the rule judges by the
+residuals' autocorrelation and by the trend's prediction error beyond a full window's (`widening`), floored at
+`min_rel_scale` x the predicted loss. A step's z-score is its residual over that scale. A step is *suspect* when z > threshold / 2; a spike is
 `persistence` suspect steps in a row whose mean z exceeds `threshold`, dated from the first (the onset). NaN/inf in
 the loss or the gradient norm is a spike at once.
 
 Why a trend: while the loss is falling, the spread of raw levels in a window measures the descent, not the noise;
 residuals from the fitted trend measure the noise alone, so the same threshold holds on a steep early curve, a
 plateau and after a stage change. No judgement during a grace period after warmup and after each stage start (the
-level shifts when seq_len, RoPE or the mixture change; the trend is re-estimated from the new stage's steps only).
+level shifts when seq_len, RoPE or the mixture change), and the trend is then fitted from the steps after it only:
+the first steps of a run or a stage are a transient the quadratic cannot follow, and their misfit would widen the
+noise scale for a whole window (a x1000 gradient's 0.6-nat rise went unjudged that way).
 Suspect losses enter the window only once the run of suspects ends without a spike, so a spike cannot raise its own
 baseline and ordinary noise is not censored.
 
@@ -25,6 +28,7 @@ spike the loop does not roll back for (absorbed by skip-step, or recurred on an 
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import deque
@@ -90,6 +94,36 @@ def inflation(rho, persistence: int):
     return np.sqrt(var)
 
 
+def edge_leverage(sums, u=0.0):
+    """The prediction variance of a quadratic least-squares trend at u, in units of the noise variance: x' G^-1 x with
+    x = (1, u, u^2) and G the fit's Gram matrix, given by its power sums (s0 .. s4, sum of u^k over the fitted points;
+    the last axis, so rows of windows work alike), in closed form. About 9 / n just past the end of n points."""
+    s0, s1, s2, s3, s4 = (sums[..., k] for k in range(5))
+    c00, c01, c02 = s2 * s4 - s3 * s3, s2 * s3 - s1 * s4, s1 * s3 - s2 * s2
+    c11, c12, c22 = s0 * s4 - s2 * s2, s1 * s2 - s0 * s3, s0 * s2 - s1 * s1
+    det = s0 * c00 + s1 * c01 + s2 * c02
+    return (c00 + u * (2 * c01 + u * (2 * c02 + c11 + u * (2 * c12 + u * c22)))) / det
+
+
+@functools.lru_cache(maxsize=16)
+def full_leverage(window: int) -> float:
+    """`edge_leverage` of a full window: `window` consecutive steps, the prediction at the next one."""
+    u = (np.arange(window, dtype=float) - window) / window
+    return float(edge_leverage(np.vander(u, 5, increasing=True).sum(axis=0)))
+
+
+def widening(rho, leverage, persistence: int, window: int):
+    """The factor from the per-step noise sd to the scale a step's z is measured in: the noise's own part for means
+    of `persistence` steps in a row (`inflation`), and the trend's prediction error beyond a full window's. That
+    error is the same for all the steps of a mean and does not average out (`persistence` x the prediction's
+    leverage); the threshold is calibrated on full windows (bench_spikes.py, the noise models, the judgement corpus),
+    which carry it already, so a shorter or gappier history widens the scale by what it adds: without that, a trend
+    fitted on the few dozen steps after a stage or a run starts, extrapolated, reads its own error as spikes (the
+    leverage is ~9 / n after n steps: x1.4 at 30 steps)."""
+    excess = np.maximum(leverage - full_leverage(window), 0.0)
+    return np.sqrt(inflation(rho, persistence) ** 2 + persistence * excess)
+
+
 def lag1(resid: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """The residuals' lag-1 autocorrelation over the kept points (per row for 2-D), clipped to [0, 0.9]: a negative
     estimate would narrow the scale on noise, and 0.9 bounds the widening."""
@@ -103,9 +137,12 @@ def lag1_of(kept: np.ndarray, power: np.ndarray) -> np.ndarray:
     return np.clip(num / np.where(power > 0, power, 1.0), 0.0, 0.9)
 
 
-def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float, persistence: int = 3) -> tuple[float, float]:
-    """(the trend's prediction at step `at`, the noise scale: the robust sd of the residuals around it, widened by
-    their autocorrelation for means of `persistence` steps).
+def trend_fit(
+    steps: np.ndarray, losses: np.ndarray, at: float, persistence: int = 3, window: int | None = None
+) -> tuple[float, float]:
+    """(the trend's prediction at step `at`, the scale a loss there is judged in: the noise sd around the trend
+    (the robust sd of the residuals), widened for means of `persistence` steps by the residuals' autocorrelation and
+    by the prediction's error beyond that of a full `window` (None: as many steps as given; `widening`)).
 
     A quadratic in the step (linear below 8 points) fitted by least squares, then refitted without the points more
     than 3 robust sd off: curvature of an early power-law descent is in the trend, not the noise.
@@ -118,7 +155,9 @@ def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float, persistence: int
     resid = losses - a @ coef
     sd = robust_sd(resid)
     keep = np.abs(resid) <= 3 * sd if sd > 0 else np.ones(len(u), bool)
+    fitted = np.ones(len(u), bool)
     if keep.sum() > deg + 2 and not keep.all():
+        fitted = keep
         coef = np.linalg.lstsq(a[keep], losses[keep], rcond=None)[0]
         resid = losses - a @ coef
         sd = robust_sd(resid)
@@ -129,7 +168,12 @@ def trend_fit(steps: np.ndarray, losses: np.ndarray, at: float, persistence: int
     if n_in > deg + 2:
         sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
     sd = max(sd, tail_sd(np.sort(np.abs(resid))))
-    return float(coef[0]), sd * float(inflation(lag1(resid, keep), persistence))
+    if deg == 2:
+        leverage = float(edge_leverage(np.vander(u[fitted], 5, increasing=True).sum(axis=0)))
+    else:
+        leverage = float(np.linalg.inv(a[fitted].T @ a[fitted])[0, 0])
+    full = window or len(steps)
+    return float(coef[0]), sd * float(widening(lag1(resid, keep), leverage, persistence, full))
 
 
 class SpikeDetector:
@@ -154,6 +198,8 @@ class SpikeDetector:
         self.cap = threshold + 1
         self.history: deque[tuple[int, float]] = deque(maxlen=window)
         self.grace_until = 0
+        self.learn_from = 0
+        """Steps before this neither are judged nor join the trend: those of a forgetting grace period."""
         self.run: list[tuple[int, float, float]] = []  # (step, loss, z) of the current run of suspect steps
         self.episode: float | None = None
         """After a spike: the bound the loss must come back under before judging resumes (inf: any finite loss)."""
@@ -163,13 +209,14 @@ class SpikeDetector:
         self.grace_until = step + self.grace_steps
         if forget:
             self.history.clear()
+            self.learn_from = self.grace_until  # after a spike (forget=False) the trend goes on learning
         self.run = []
 
     def zscore(self, step: int, loss: float) -> tuple[float, float, float]:
         """(z, predicted loss, noise sd) of `loss` at `step` against the window's trend."""
         steps = np.fromiter((s for s, _ in self.history), float, len(self.history))
         losses = np.fromiter((v for _, v in self.history), float, len(self.history))
-        pred, sd = trend_fit(steps, losses, step, self.persistence)
+        pred, sd = trend_fit(steps, losses, step, self.persistence, self.window)
         scale = max(sd, self.min_rel_scale * abs(pred), 1e-8)
         return (loss - pred) / scale, pred, scale
 
@@ -197,7 +244,8 @@ class SpikeDetector:
             what = "loss" if not math.isfinite(loss) else "grad_norm"
             return Verdict("spike", step, f"non-finite {what}", math.inf)
         if step < self.grace_until or len(self.history) < self.min_history:
-            self._accept(step, loss)
+            if step >= self.learn_from:
+                self._accept(step, loss)
             return Verdict("ok")
         z, pred, scale = self.zscore(step, loss)
         if z <= self.threshold / 2:
@@ -221,6 +269,7 @@ class SpikeDetector:
         return {
             "history": [list(x) for x in self.history],
             "grace_until": self.grace_until,
+            "learn_from": self.learn_from,
             "run": [list(x) for x in self.run],
             "episode": None if self.episode is None else repr(self.episode),  # a string: inf survives any JSON
         }
@@ -231,6 +280,7 @@ class SpikeDetector:
             hist = [[i - len(hist), v] for i, v in enumerate(hist)]
         self.history = deque(((int(s), float(v)) for s, v in hist), maxlen=self.window)
         self.grace_until = int(state["grace_until"])
+        self.learn_from = int(state.get("learn_from", 0))  # older checkpoints learnt from every step
         self.run = [tuple(x) for x in state["run"] if isinstance(x, list | tuple)]
         self.episode = None if state.get("episode") is None else float(state["episode"])
 
