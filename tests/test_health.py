@@ -188,13 +188,30 @@ def test_batched_trend_fit_is_the_live_fit():
     live = np.array([trend_fit(steps[i], losses[i], at[i]) for i in range(64)])
     np.testing.assert_allclose(fits.coef[:, 0], live[:, 0], rtol=1e-10)
     np.testing.assert_allclose(fits.scale, live[:, 1], rtol=1e-8)
-    # the same window judging a later step (a suspect pending): the trend and its scale there, as live refits them
-    later = steps[:, -1] + 6
-    u = (later - at) / fits.span
-    again = np.array([trend_fit(steps[i], losses[i], later[i]) for i in range(64)])
-    c = fits.coef
-    np.testing.assert_allclose(c[:, 0] + u * (c[:, 1] + u * c[:, 2]), again[:, 0], rtol=1e-10)
-    np.testing.assert_allclose(fits.scale_at(np.arange(64), u, 3, 100), again[:, 1], rtol=1e-8)
+
+
+def test_a_table_row_judges_a_later_step_as_the_live_fit_does():
+    """With suspects pending, the replay judges the next steps with the window's fit at a later step: the scale
+    there (more leverage, further ahead) is the live fit's, for windows of consecutive steps and with a gap."""
+    from pretrainer.recipe.sections import SpikesSection
+    from pretrainer.train.spike_replay import _Replay, _Table
+    from pretrainer.train.spikes import trend_fit
+
+    rng = np.random.default_rng(1)
+    steps = np.arange(400.0)
+    steps[250:] += 3  # a few steps not logged
+    losses = 3 + 0.02 * rng.standard_normal(400)
+    det = _Replay(steps, losses, SpikesSection())
+    det.history.extend(zip(steps[:100].tolist(), losses[:100].tolist()))
+    table = _Table(det, 100, 290)  # row r: the window of positions r .. r + 99, judging position 100 + r
+    rows = np.arange(0, 285, 3)
+    for ahead in (1, 2, 3):
+        pos = 100 + rows + ahead
+        live = [trend_fit(steps[r : r + 100], losses[r : r + 100], steps[p], 3, 100)[1] for r, p in zip(rows, pos)]
+        np.testing.assert_allclose(table.scale_at(rows, pos, det), live, rtol=1e-9)
+        np.testing.assert_allclose([table.scale_of(r, int(steps[p]), det) for r, p in zip(rows, pos)], live, rtol=1e-9)
+    consecutive = rows[rows + 100 < 250]
+    assert (table.scale_at(consecutive, 100 + consecutive + 2, det) > table.sd[consecutive]).all()
 
 
 def test_one_rule_live_and_replayed_with_the_runs_own_parameters():

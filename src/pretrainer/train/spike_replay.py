@@ -18,6 +18,7 @@ step is refitted with the live code, so the replay decides as the live detector 
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -26,7 +27,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
-from .spikes import MAD_TO_SD, SpikeDetector, edge_leverage, full_leverage, inflation, lag1_of, tail_sd
+from .spikes import MAD_TO_SD, SpikeDetector, edge_leverage, full_leverage, full_sums, inflation, lag1_of, tail_sd
 
 CHUNK = 32768
 """Most windows fitted per batch: ~26 MB per array at the default window of 100."""
@@ -47,20 +48,19 @@ def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", a, b)
 
 
-def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3)
-    and the power sums of the fitted points (B, 5; `spikes.edge_leverage`). A 1-D u (W,) is every row's (consecutive
-    steps): unweighted, one 3x3 system serves all rows, one matrix product; weighted, the power sums of all rows are
-    one matrix product too."""
+def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3),
+    and for a 2-D u the power sums (B, 5). A 1-D u (W,) is every row's (consecutive steps): unweighted, one 3x3
+    system serves all rows, one matrix product; weighted, the power sums of all rows are one matrix product too."""
     if u.ndim == 1:
-        v = np.vander(u, 5, increasing=True)
         if w is None:
-            a = v[:, :3]
-            return y @ np.linalg.solve(a.T @ a, a.T).T, np.broadcast_to(v.sum(axis=0), (len(y), 5))
+            a = np.vander(u, 3, increasing=True)
+            return y @ np.linalg.solve(a.T @ a, a.T).T, None
+        v = np.vander(u, 5, increasing=True)
         sums = w @ v  # (B, 5): sum of w u^k
         gram = sums[:, [[0, 1, 2], [1, 2, 3], [2, 3, 4]]]
         rhs = (w * y) @ v[:, :3]
-        return np.linalg.solve(gram, rhs[..., None])[..., 0], sums
+        return np.linalg.solve(gram, rhs[..., None])[..., 0], None
     wu = u if w is None else w * u
     wu2 = wu * u
     s0 = np.full(len(u), float(u.shape[1])) if w is None else w.sum(axis=1)
@@ -84,19 +84,20 @@ class Fits(NamedTuple):
     noise: np.ndarray
     """The noise sd around the trend (B,), before `spikes.widening`."""
     var: np.ndarray
-    """The noise's own variance inflation for means of `persistence` steps (B,)."""
-    sums: np.ndarray
-    """The fitted points' power sums of u (B, 5): the prediction's leverage anywhere (`spikes.edge_leverage`)."""
+    """The noise's own variance factor for means of `persistence` steps (B,)."""
 
-    def scale_at(self, rows: np.ndarray, u: np.ndarray, persistence: int, window: int) -> np.ndarray:
-        """The scale of rows' trends at u (the step after a pending suspect, judged by the same window;
-        `spikes.widening`)."""
-        excess = np.maximum(edge_leverage(self.sums[rows], u) - full_leverage(window), 0.0)
-        return self.noise[rows] * np.sqrt(self.var[rows] + persistence * excess)
+
+def power_sums(u: np.ndarray) -> np.ndarray:
+    """Sums of u^0 .. u^4 along the last axis (`spikes.edge_leverage`'s input)."""
+    u2 = u * u
+    return np.stack(
+        [np.full(u.shape[:-1], float(u.shape[-1])), u.sum(-1), u2.sum(-1), (u2 * u).sum(-1), (u2 * u2).sum(-1)], -1
+    )
 
 
 def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, persistence: int = 3) -> Fits:
-    """`spikes.trend_fit` for B windows at once: steps and losses (B, W) with W >= 8, at (B,) -> `Fits`."""
+    """`spikes.trend_fit` for B windows at once: steps and losses (B, W) with W >= 8 (a full window), at (B,) ->
+    `Fits`."""
     losses = np.ascontiguousarray(losses)  # windows come as strided views
     deg, n = 2, steps.shape[1]
     if (steps[:, 0] == at - n).all() and (steps[:, -1] == at - 1).all():  # every step logged: one u for all rows
@@ -110,7 +111,7 @@ def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, per
     vander = np.vander(u, 3, increasing=True).T if u.ndim == 1 else None
 
     def fit(u, y, w: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(coefficients, residuals, MAD sd, tail sd, power sums) per row."""
+        """(coefficients, residuals, MAD sd, tail sd, the power sums of a 2-D u) per row."""
         coef, sums = _solve(u, y, w)
         if vander is not None:  # one matrix product for every row's quadratic
             resid = coef @ vander
@@ -129,10 +130,8 @@ def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, per
     again = (count > deg + 2) & (count < n)
     if again.any():
         ua = u[again] if u.ndim == 2 else u
-        c2, r2, s2, t2, p2 = fit(ua, losses[again], keep[again].astype(float))
+        c2, r2, s2, t2, _ = fit(ua, losses[again], keep[again].astype(float))
         coef[again], resid[again], sd[again], tail[again] = c2, r2, s2, t2
-        sums = np.array(sums)  # a broadcast view when every row shared one
-        sums[again] = p2
         keep[again] = np.abs(r2) <= 3 * s2[:, None]
         n_in = keep.sum(axis=1)
     else:
@@ -143,8 +142,10 @@ def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, per
     inlier_sd = np.sqrt(power / np.maximum(n_in - deg - 1, 1)) / 0.986
     sd = np.maximum(np.where(ok, np.maximum(sd, inlier_sd), sd), tail)
     var = inflation(lag1_of(kept, power), persistence) ** 2
-    scale = sd * np.sqrt(var + persistence * np.maximum(edge_leverage(sums) - full_leverage(n), 0.0))
-    return Fits(coef, span, scale, sd, var, np.ascontiguousarray(sums))
+    if u.ndim == 1:  # every step logged: the full window's leverage, no excess (`spikes.widening`)
+        return Fits(coef, span, sd * np.sqrt(var), sd, var)
+    excess = np.maximum(edge_leverage(sums) - full_leverage(n), 0.0)
+    return Fits(coef, span, sd * np.sqrt(var + persistence * excess), sd, var)
 
 
 class _Table:
@@ -193,8 +194,14 @@ class _Table:
         u = (det.steps[nxt] - self.stream[r + w]) / self.span[r]
         c = self.coef[r]
         p = c[:, 0] + u * (c[:, 1] + u * c[:, 2])
-        s = self.fits.scale_at(r, u, det.persistence, w)
-        z1 = (det.losses[nxt] - p) / np.maximum(np.maximum(s, det.min_rel_scale * np.abs(p)), 1e-8)
+        floor = np.maximum(det.min_rel_scale * np.abs(p), 1e-8)
+        z1 = (det.losses[nxt] - p) / np.maximum(self.sd[r], floor)
+        # the next step's scale is at least the row's own (it lies further ahead: `scale_at`), so a z under the bar
+        # against the row's scale is under it against its own; only the others need their own scale
+        check = np.flatnonzero(~(z1 < bar - TIE))
+        if len(check):
+            s = self.scale_at(r[check], nxt[check], det)
+            z1[check] = (det.losses[nxt[check]] - p[check]) / np.maximum(s, floor[check])
         r = r[np.isfinite(z1) & (z1 < bar - TIE)]
         taken, prev = [], -2
         for k in r.tolist():  # a lone suspect's next step is judged by its row: it cannot lead a pair of its own
@@ -202,6 +209,35 @@ class _Table:
                 taken.append(k)
                 prev = k
         return np.asarray(taken, dtype=np.int64)
+
+    def scale_at(self, rows: np.ndarray, pos: np.ndarray, det: _Replay) -> np.ndarray:
+        """The scale rows' trends give the steps at curve positions `pos` (after a pending suspect: further ahead
+        than the row's own step, so with more leverage; `spikes.widening`). A window of consecutive steps takes its
+        leverage from `spikes.full_leverage`, the others from their own steps."""
+        w = det.window
+        first, at = self.stream[rows], det.steps[pos]
+        excess = np.empty(len(rows))
+        full = self.stream[rows + w - 1] - first == w - 1
+        excess[full] = edge_leverage(full_sums(w), (at[full] - first[full] - w) / w) - full_leverage(w)
+        if not full.all():
+            steps = np.lib.stride_tricks.sliding_window_view(self.stream, w)[rows[~full]]
+            at_gap = at[~full][:, None]
+            excess[~full] = edge_leverage(power_sums((steps - at_gap) / (at_gap - steps[:, :1]))) - full_leverage(w)
+        f = self.fits
+        return f.noise[rows] * np.sqrt(f.var[rows] + det.persistence * np.maximum(excess, 0.0))
+
+    def scale_of(self, row: int, step: int, det: _Replay) -> float:
+        """`scale_at` for one row and a step, in floats (asked row by row, where numpy costs ~10 us a call)."""
+        w, first = det.window, int(self.stream[row])
+        if int(self.stream[row + w - 1]) - first == w - 1:
+            lev = full_leverage(w, step - first - w)
+        else:  # a window with gaps (a suspect left out)
+            u = (self.stream[row : row + w] - step) * (1.0 / (step - first))
+            u2 = u * u
+            lev = edge_leverage((float(w), float(u.sum()), float(u2.sum()), float(u2 @ u), float(u2 @ u2)))
+        excess = max(lev - full_leverage(w), 0.0)
+        f = self.fits
+        return float(f.noise[row]) * math.sqrt(float(f.var[row]) + det.persistence * excess)
 
     def row(self, history) -> int | None:
         """The row whose window is exactly `history` (None: the window changed since the build)."""
@@ -269,7 +305,7 @@ class _Replay(SpikeDetector):
             u = (step - t.stream[r + self.window]) / t.span[r]  # 0 unless suspects are pending
             c0, c1, c2 = t.coef[r]
             p = float(c0 + u * (c1 + u * c2)) if u else float(c0)
-            s = float(t.fits.scale_at(r, u, self.persistence, self.window)) if u else float(t.sd[r])
+            s = t.scale_of(r, step, self) if u else float(t.sd[r])
             scale = max(s, self.min_rel_scale * abs(p), 1e-8)
             z = (loss - p) / scale
             if min(abs(z - self.threshold / 2), abs(z - self.threshold)) > TIE:
@@ -308,7 +344,9 @@ class _Replay(SpikeDetector):
             n = int(nonfinite[0]) if len(nonfinite) else n
             if n == 0:
                 break
-            first = i + max(0, n - self.window, int(np.searchsorted(self.steps[i : i + n], self.learn_from)))
+            first = i + max(0, n - self.window)
+            if self.learn_from > self.steps[i]:  # a forgetting grace: its steps stay out of the trend
+                first = max(first, i + int(np.searchsorted(self.steps[i : i + n], self.learn_from)))
             take = slice(first, i + n)
             self.history.extend(zip(self.steps[take].tolist(), self.losses[take].tolist()))
             i += n

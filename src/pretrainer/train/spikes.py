@@ -97,8 +97,9 @@ def inflation(rho, persistence: int):
 def edge_leverage(sums, u=0.0):
     """The prediction variance of a quadratic least-squares trend at u, in units of the noise variance: x' G^-1 x with
     x = (1, u, u^2) and G the fit's Gram matrix, given by its power sums (s0 .. s4, sum of u^k over the fitted points;
-    the last axis, so rows of windows work alike), in closed form. About 9 / n just past the end of n points."""
-    s0, s1, s2, s3, s4 = (sums[..., k] for k in range(5))
+    the last axis, so rows of windows work alike; or five floats), in closed form. About 9 / n just past the end of n
+    points."""
+    s0, s1, s2, s3, s4 = sums.T if isinstance(sums, np.ndarray) else sums
     c00, c01, c02 = s2 * s4 - s3 * s3, s2 * s3 - s1 * s4, s1 * s3 - s2 * s2
     c11, c12, c22 = s0 * s4 - s2 * s2, s1 * s2 - s0 * s3, s0 * s2 - s1 * s1
     det = s0 * c00 + s1 * c01 + s2 * c02
@@ -106,10 +107,18 @@ def edge_leverage(sums, u=0.0):
 
 
 @functools.lru_cache(maxsize=16)
-def full_leverage(window: int) -> float:
-    """`edge_leverage` of a full window: `window` consecutive steps, the prediction at the next one."""
+def full_sums(window: int) -> np.ndarray:
+    """The power sums of a full window, `window` consecutive steps at u = (i - window) / window: the next step is at
+    u = 0, `k` steps after it at k / window."""
     u = (np.arange(window, dtype=float) - window) / window
-    return float(edge_leverage(np.vander(u, 5, increasing=True).sum(axis=0)))
+    return np.vander(u, 5, increasing=True).sum(axis=0)
+
+
+@functools.lru_cache(maxsize=256)
+def full_leverage(window: int, ahead: int = 0) -> float:
+    """`edge_leverage` of a full window, the prediction `ahead` steps after the next one (a step judged while
+    suspects are pending)."""
+    return float(edge_leverage(full_sums(window), ahead / window))
 
 
 def widening(rho, leverage, persistence: int, window: int):
@@ -119,7 +128,8 @@ def widening(rho, leverage, persistence: int, window: int):
     leverage); the threshold is calibrated on full windows (bench_spikes.py, the noise models, the judgement corpus),
     which carry it already, so a shorter or gappier history widens the scale by what it adds: without that, a trend
     fitted on the few dozen steps after a stage or a run starts, extrapolated, reads its own error as spikes (the
-    leverage is ~9 / n after n steps: x1.4 at 30 steps)."""
+    leverage is ~9 / n after n steps: x1.3 at 30 steps). The leverage is the window's steps' (the points the refit
+    leaves out are a few, and the replay then needs no fit's own Gram matrix)."""
     excess = np.maximum(leverage - full_leverage(window), 0.0)
     return np.sqrt(inflation(rho, persistence) ** 2 + persistence * excess)
 
@@ -155,9 +165,7 @@ def trend_fit(
     resid = losses - a @ coef
     sd = robust_sd(resid)
     keep = np.abs(resid) <= 3 * sd if sd > 0 else np.ones(len(u), bool)
-    fitted = np.ones(len(u), bool)
     if keep.sum() > deg + 2 and not keep.all():
-        fitted = keep
         coef = np.linalg.lstsq(a[keep], losses[keep], rcond=None)[0]
         resid = losses - a @ coef
         sd = robust_sd(resid)
@@ -168,10 +176,13 @@ def trend_fit(
     if n_in > deg + 2:
         sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
     sd = max(sd, tail_sd(np.sort(np.abs(resid))))
-    if deg == 2:
-        leverage = float(edge_leverage(np.vander(u[fitted], 5, increasing=True).sum(axis=0)))
+    ahead = at - steps[-1] - 1
+    if deg == 2 and steps[-1] - steps[0] == len(steps) - 1 and ahead == int(ahead):  # consecutive steps: cached
+        leverage = full_leverage(len(steps), int(ahead))
+    elif deg == 2:
+        leverage = float(edge_leverage(np.vander(u, 5, increasing=True).sum(axis=0)))
     else:
-        leverage = float(np.linalg.inv(a[fitted].T @ a[fitted])[0, 0])
+        leverage = float(np.linalg.inv(a.T @ a)[0, 0])
     full = window or len(steps)
     return float(coef[0]), sd * float(widening(lag1(resid, keep), leverage, persistence, full))
 
