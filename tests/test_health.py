@@ -192,7 +192,7 @@ def test_batched_trend_fit_is_the_live_fit():
 
 def test_a_table_row_judges_a_later_step_as_the_live_fit_does():
     """With suspects pending, the replay judges the next steps with the window's fit at a later step: the scale
-    there (more leverage, further ahead) is the live fit's, for windows of consecutive steps and with a gap."""
+    there is the live fit's, for windows of consecutive steps and with a gap."""
     from pretrainer.recipe.sections import SpikesSection
     from pretrainer.train.spike_replay import _Replay, _Table
     from pretrainer.train.spikes import trend_fit
@@ -210,8 +210,12 @@ def test_a_table_row_judges_a_later_step_as_the_live_fit_does():
         live = [trend_fit(steps[r : r + 100], losses[r : r + 100], steps[p], 3, 100)[1] for r, p in zip(rows, pos)]
         np.testing.assert_allclose(table.scale_at(rows, pos, det), live, rtol=1e-9)
         np.testing.assert_allclose([table.scale_of(r, int(steps[p]), det) for r, p in zip(rows, pos)], live, rtol=1e-9)
-    consecutive = rows[rows + 100 < 250]
-    assert (table.scale_at(consecutive, 100 + consecutive + 2, det) > table.sd[consecutive]).all()
+    # a full window judges further ahead with the scale it was calibrated with; one with a gap near its end adds to it
+    consecutive, gappy = rows[rows + 100 < 250], rows[(rows < 250) & (rows + 100 > 250)]
+    np.testing.assert_allclose(table.scale_at(consecutive, 100 + consecutive + 2, det), table.sd[consecutive])
+    full_window = table.fits.noise[gappy] * np.sqrt(table.fits.var[gappy])
+    widened = table.scale_at(gappy, 100 + gappy + 2, det)
+    assert (widened >= full_window).all() and (widened > 1.01 * full_window).any()
 
 
 def test_one_rule_live_and_replayed_with_the_runs_own_parameters():

@@ -395,5 +395,5 @@ def test_a_trend_from_a_few_dozen_steps_does_not_read_its_own_error_as_spikes(mo
 
     assert false_spikes() == 0
     # the trend's error left out of the scale
-    monkeypatch.setattr(spikes, "widening", lambda rho, leverage, persistence, window: inflation(rho, persistence))
+    monkeypatch.setattr(spikes, "widening", lambda rho, excess, persistence: inflation(rho, persistence))
     assert false_spikes() >= 4

@@ -142,10 +142,16 @@ def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, per
     inlier_sd = np.sqrt(power / np.maximum(n_in - deg - 1, 1)) / 0.986
     sd = np.maximum(np.where(ok, np.maximum(sd, inlier_sd), sd), tail)
     var = inflation(lag1_of(kept, power), persistence) ** 2
-    if u.ndim == 1:  # every step logged: the full window's leverage, no excess (`spikes.widening`)
+    if u.ndim == 1:  # every step logged: a full window, no excess leverage (`spikes.excess_leverage`)
         return Fits(coef, span, sd * np.sqrt(var), sd, var)
-    excess = np.maximum(edge_leverage(sums) - full_leverage(n), 0.0)
+    excess = _excess(sums, at - steps[:, -1] - 1, n)
     return Fits(coef, span, sd * np.sqrt(var + persistence * excess), sd, var)
+
+
+def _excess(sums: np.ndarray, ahead: np.ndarray, window: int) -> np.ndarray:
+    """`spikes.excess_leverage` per row: windows' own leverage (their power sums) less a full window's judging as
+    far `ahead`."""
+    return np.maximum(edge_leverage(sums) - edge_leverage(full_sums(window), ahead / window), 0.0)
 
 
 class _Table:
@@ -194,14 +200,8 @@ class _Table:
         u = (det.steps[nxt] - self.stream[r + w]) / self.span[r]
         c = self.coef[r]
         p = c[:, 0] + u * (c[:, 1] + u * c[:, 2])
-        floor = np.maximum(det.min_rel_scale * np.abs(p), 1e-8)
-        z1 = (det.losses[nxt] - p) / np.maximum(self.sd[r], floor)
-        # the next step's scale is at least the row's own (it lies further ahead: `scale_at`), so a z under the bar
-        # against the row's scale is under it against its own; only the others need their own scale
-        check = np.flatnonzero(~(z1 < bar - TIE))
-        if len(check):
-            s = self.scale_at(r[check], nxt[check], det)
-            z1[check] = (det.losses[nxt[check]] - p[check]) / np.maximum(s, floor[check])
+        s = self.scale_at(r, nxt, det)
+        z1 = (det.losses[nxt] - p) / np.maximum(np.maximum(s, det.min_rel_scale * np.abs(p)), 1e-8)
         r = r[np.isfinite(z1) & (z1 < bar - TIE)]
         taken, prev = [], -2
         for k in r.tolist():  # a lone suspect's next step is judged by its row: it cannot lead a pair of its own
@@ -211,32 +211,29 @@ class _Table:
         return np.asarray(taken, dtype=np.int64)
 
     def scale_at(self, rows: np.ndarray, pos: np.ndarray, det: _Replay) -> np.ndarray:
-        """The scale rows' trends give the steps at curve positions `pos` (after a pending suspect: further ahead
-        than the row's own step, so with more leverage; `spikes.widening`). A window of consecutive steps takes its
-        leverage from `spikes.full_leverage`, the others from their own steps."""
-        w = det.window
-        first, at = self.stream[rows], det.steps[pos]
-        excess = np.empty(len(rows))
-        full = self.stream[rows + w - 1] - first == w - 1
-        excess[full] = edge_leverage(full_sums(w), (at[full] - first[full] - w) / w) - full_leverage(w)
-        if not full.all():
-            steps = np.lib.stride_tricks.sliding_window_view(self.stream, w)[rows[~full]]
-            at_gap = at[~full][:, None]
-            excess[~full] = edge_leverage(power_sums((steps - at_gap) / (at_gap - steps[:, :1]))) - full_leverage(w)
-        f = self.fits
-        return f.noise[rows] * np.sqrt(f.var[rows] + det.persistence * np.maximum(excess, 0.0))
+        """The scale rows' trends give the steps at curve positions `pos` (after a pending suspect). A window of
+        consecutive steps is a full one: its own (`spikes.excess_leverage`); one with a gap (a suspect left out)
+        adds what its steps' leverage exceeds a full window's by, judging as far ahead."""
+        w, f = det.window, self.fits
+        gap = np.flatnonzero(self.stream[rows + w - 1] - self.stream[rows] != w - 1)
+        if not len(gap):
+            return f.noise[rows] * np.sqrt(f.var[rows])
+        excess = np.zeros(len(rows))
+        steps = np.lib.stride_tricks.sliding_window_view(self.stream, w)[rows[gap]]
+        at = det.steps[pos[gap]][:, None]
+        excess[gap] = _excess(power_sums((steps - at) / (at - steps[:, :1])), at[:, 0] - steps[:, -1] - 1, w)
+        return f.noise[rows] * np.sqrt(f.var[rows] + det.persistence * excess)
 
     def scale_of(self, row: int, step: int, det: _Replay) -> float:
         """`scale_at` for one row and a step, in floats (asked row by row, where numpy costs ~10 us a call)."""
-        w, first = det.window, int(self.stream[row])
-        if int(self.stream[row + w - 1]) - first == w - 1:
-            lev = full_leverage(w, step - first - w)
-        else:  # a window with gaps (a suspect left out)
+        w, f = det.window, self.fits
+        first, last = int(self.stream[row]), int(self.stream[row + w - 1])
+        excess = 0.0
+        if last - first != w - 1:  # a window with gaps
             u = (self.stream[row : row + w] - step) * (1.0 / (step - first))
             u2 = u * u
-            lev = edge_leverage((float(w), float(u.sum()), float(u2.sum()), float(u2 @ u), float(u2 @ u2)))
-        excess = max(lev - full_leverage(w), 0.0)
-        f = self.fits
+            own = edge_leverage((float(w), float(u.sum()), float(u2.sum()), float(u2 @ u), float(u2 @ u2)))
+            excess = max(own - full_leverage(w, step - last - 1), 0.0)
         return float(f.noise[row]) * math.sqrt(float(f.var[row]) + det.persistence * excess)
 
     def row(self, history) -> int | None:

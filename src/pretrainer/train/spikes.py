@@ -121,17 +121,32 @@ def full_leverage(window: int, ahead: int = 0) -> float:
     return float(edge_leverage(full_sums(window), ahead / window))
 
 
-def widening(rho, leverage, persistence: int, window: int):
+def widening(rho, excess, persistence: int):
     """The factor from the per-step noise sd to the scale a step's z is measured in: the noise's own part for means
-    of `persistence` steps in a row (`inflation`), and the trend's prediction error beyond a full window's. That
-    error is the same for all the steps of a mean and does not average out (`persistence` x the prediction's
-    leverage); the threshold is calibrated on full windows (bench_spikes.py, the noise models, the judgement corpus),
-    which carry it already, so a shorter or gappier history widens the scale by what it adds: without that, a trend
-    fitted on the few dozen steps after a stage or a run starts, extrapolated, reads its own error as spikes (the
-    leverage is ~9 / n after n steps: x1.3 at 30 steps). The leverage is the window's steps' (the points the refit
-    leaves out are a few, and the replay then needs no fit's own Gram matrix)."""
-    excess = np.maximum(leverage - full_leverage(window), 0.0)
+    of `persistence` steps in a row (`inflation`), and the trend's prediction error beyond that of a full window
+    judging the same step (`excess`, in leverage: `excess_leverage`). That error is the same for all the steps of a
+    mean and does not average out (`persistence` x the leverage); the threshold is calibrated on full windows
+    (bench_spikes.py, the noise models, the judgement corpus), which carry their own already, so a shorter or gappier
+    history widens the scale by what it adds: without that, a trend fitted on the few dozen steps after a stage or a
+    run starts, extrapolated, reads its own error as spikes (the leverage is ~9 / n after n steps: x1.3 at 30
+    steps)."""
     return np.sqrt(inflation(rho, persistence) ** 2 + persistence * excess)
+
+
+def excess_leverage(steps: np.ndarray, at: float, window: int) -> float:
+    """The leverage of a quadratic trend through `steps` at `at`, less that of a full `window` of consecutive steps
+    ending where `steps` end: the part a short or gappy history adds (0 for a full window). From the window's steps,
+    not the refit's inliers (the few points a refit leaves out move it ~1%, and the replay needs no Gram matrix of
+    each fit)."""
+    ahead = float(at - steps[-1] - 1)
+    if ahead == int(ahead) and ahead >= 0:
+        reference = full_leverage(window, int(ahead))
+        if steps[-1] - steps[0] == len(steps) - 1:  # consecutive steps (nearly always): both from the cache
+            return max(full_leverage(len(steps), int(ahead)) - reference, 0.0)
+    else:
+        reference = float(edge_leverage(full_sums(window), max(ahead, 0.0) / window))
+    u = (steps - at) / float(at - steps[0])
+    return max(float(edge_leverage(np.vander(u, 5, increasing=True).sum(axis=0))) - reference, 0.0)
 
 
 def lag1(resid: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -176,15 +191,11 @@ def trend_fit(
     if n_in > deg + 2:
         sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
     sd = max(sd, tail_sd(np.sort(np.abs(resid))))
-    ahead = at - steps[-1] - 1
-    if deg == 2 and steps[-1] - steps[0] == len(steps) - 1 and ahead == int(ahead):  # consecutive steps: cached
-        leverage = full_leverage(len(steps), int(ahead))
-    elif deg == 2:
-        leverage = float(edge_leverage(np.vander(u, 5, increasing=True).sum(axis=0)))
-    else:
-        leverage = float(np.linalg.inv(a.T @ a)[0, 0])
-    full = window or len(steps)
-    return float(coef[0]), sd * float(widening(lag1(resid, keep), leverage, persistence, full))
+    if deg == 2:
+        excess = excess_leverage(steps, at, window or len(steps))
+    else:  # under 8 steps: a line, against the full window's quadratic
+        excess = max(float(np.linalg.inv(a.T @ a)[0, 0]) - full_leverage(window or len(steps)), 0.0)
+    return float(coef[0]), sd * float(widening(lag1(resid, keep), excess, persistence))
 
 
 class SpikeDetector:
