@@ -27,7 +27,15 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
-from .spikes import MAD_TO_SD, SpikeDetector, edge_leverage, full_leverage, full_sums, inflation, lag1_of, tail_sd
+from .spikes import (
+    MAD_TO_SD,
+    SpikeDetector,
+    excess_from_sums,
+    excess_leverage,
+    inflation,
+    lag1_of,
+    tail_sd,
+)
 
 CHUNK = 32768
 """Most windows fitted per batch: ~26 MB per array at the default window of 100."""
@@ -87,14 +95,6 @@ class Fits(NamedTuple):
     """The noise's own variance factor for means of `persistence` steps (B,)."""
 
 
-def power_sums(u: np.ndarray) -> np.ndarray:
-    """Sums of u^0 .. u^4 along the last axis (`spikes.edge_leverage`'s input)."""
-    u2 = u * u
-    return np.stack(
-        [np.full(u.shape[:-1], float(u.shape[-1])), u.sum(-1), u2.sum(-1), (u2 * u).sum(-1), (u2 * u2).sum(-1)], -1
-    )
-
-
 def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, persistence: int = 3) -> Fits:
     """`spikes.trend_fit` for B windows at once: steps and losses (B, W) with W >= 8 (a full window), at (B,) ->
     `Fits`."""
@@ -144,14 +144,8 @@ def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, per
     var = inflation(lag1_of(kept, power), persistence) ** 2
     if u.ndim == 1:  # every step logged: a full window, no excess leverage (`spikes.excess_leverage`)
         return Fits(coef, span, sd * np.sqrt(var), sd, var)
-    excess = _excess(sums, at - steps[:, -1] - 1, n)
+    excess = excess_from_sums(sums, at - steps[:, -1] - 1, n)
     return Fits(coef, span, sd * np.sqrt(var + persistence * excess), sd, var)
-
-
-def _excess(sums: np.ndarray, ahead: np.ndarray, window: int) -> np.ndarray:
-    """`spikes.excess_leverage` per row: windows' own leverage (their power sums) less a full window's judging as
-    far `ahead`."""
-    return np.maximum(edge_leverage(sums) - edge_leverage(full_sums(window), ahead / window), 0.0)
 
 
 class _Table:
@@ -220,20 +214,15 @@ class _Table:
             return f.noise[rows] * np.sqrt(f.var[rows])
         excess = np.zeros(len(rows))
         steps = np.lib.stride_tricks.sliding_window_view(self.stream, w)[rows[gap]]
-        at = det.steps[pos[gap]][:, None]
-        excess[gap] = _excess(power_sums((steps - at) / (at - steps[:, :1])), at[:, 0] - steps[:, -1] - 1, w)
+        excess[gap] = excess_leverage(steps, det.steps[pos[gap]], w)
         return f.noise[rows] * np.sqrt(f.var[rows] + det.persistence * excess)
 
     def scale_of(self, row: int, step: int, det: _Replay) -> float:
         """`scale_at` for one row and a step, in floats (asked row by row, where numpy costs ~10 us a call)."""
         w, f = det.window, self.fits
-        first, last = int(self.stream[row]), int(self.stream[row + w - 1])
         excess = 0.0
-        if last - first != w - 1:  # a window with gaps
-            u = (self.stream[row : row + w] - step) * (1.0 / (step - first))
-            u2 = u * u
-            own = edge_leverage((float(w), float(u.sum()), float(u2.sum()), float(u2 @ u), float(u2 @ u2)))
-            excess = max(own - full_leverage(w, step - last - 1), 0.0)
+        if self.stream[row + w - 1] - self.stream[row] != w - 1:  # a window with gaps
+            excess = float(excess_leverage(self.stream[row : row + w], float(step), w))
         return float(f.noise[row]) * math.sqrt(float(f.var[row]) + det.persistence * excess)
 
     def row(self, history) -> int | None:
@@ -341,10 +330,10 @@ class _Replay(SpikeDetector):
             n = int(nonfinite[0]) if len(nonfinite) else n
             if n == 0:
                 break
-            first = i + max(0, n - self.window)
-            if self.learn_from > self.steps[i]:  # a forgetting grace: its steps stay out of the trend
-                first = max(first, i + int(np.searchsorted(self.steps[i : i + n], self.learn_from)))
-            take = slice(first, i + n)
+            if self.steps[i] < self.grace_until and not self.history:  # a forgetting grace learns nothing
+                i += n
+                continue
+            take = slice(i + max(0, n - self.window), i + n)
             self.history.extend(zip(self.steps[take].tolist(), self.losses[take].tolist()))
             i += n
         return i

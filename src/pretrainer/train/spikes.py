@@ -106,12 +106,19 @@ def edge_leverage(sums, u=0.0):
     return (c00 + u * (2 * c01 + u * (2 * c02 + c11 + u * (2 * c12 + u * c22)))) / det
 
 
+def power_sums(u: np.ndarray) -> np.ndarray:
+    """Sums of u^0 .. u^4 along the last axis (`edge_leverage`'s input)."""
+    u2 = u * u
+    return np.stack(
+        [np.full(u.shape[:-1], float(u.shape[-1])), u.sum(-1), u2.sum(-1), (u2 * u).sum(-1), (u2 * u2).sum(-1)], -1
+    )
+
+
 @functools.lru_cache(maxsize=16)
 def full_sums(window: int) -> np.ndarray:
     """The power sums of a full window, `window` consecutive steps at u = (i - window) / window: the next step is at
     u = 0, `k` steps after it at k / window."""
-    u = (np.arange(window, dtype=float) - window) / window
-    return np.vander(u, 5, increasing=True).sum(axis=0)
+    return power_sums((np.arange(window, dtype=float) - window) / window)
 
 
 @functools.lru_cache(maxsize=256)
@@ -133,20 +140,23 @@ def widening(rho, excess, persistence: int):
     return np.sqrt(inflation(rho, persistence) ** 2 + persistence * excess)
 
 
-def excess_leverage(steps: np.ndarray, at: float, window: int) -> float:
-    """The leverage of a quadratic trend through `steps` at `at`, less that of a full `window` of consecutive steps
-    ending where `steps` end: the part a short or gappy history adds (0 for a full window). From the window's steps,
-    not the refit's inliers (the few points a refit leaves out move it ~1%, and the replay needs no Gram matrix of
-    each fit)."""
-    ahead = float(at - steps[-1] - 1)
-    if ahead == int(ahead) and ahead >= 0:
-        reference = full_leverage(window, int(ahead))
-        if steps[-1] - steps[0] == len(steps) - 1:  # consecutive steps (nearly always): both from the cache
-            return max(full_leverage(len(steps), int(ahead)) - reference, 0.0)
-    else:
-        reference = float(edge_leverage(full_sums(window), max(ahead, 0.0) / window))
-    u = (steps - at) / float(at - steps[0])
-    return max(float(edge_leverage(np.vander(u, 5, increasing=True).sum(axis=0))) - reference, 0.0)
+def excess_from_sums(sums: np.ndarray, ahead, window: int):
+    """`excess_leverage` from windows' power sums (per row) and how far `ahead` of their next step they judge."""
+    return np.maximum(edge_leverage(sums) - edge_leverage(full_sums(window), ahead / window), 0.0)
+
+
+def excess_leverage(steps: np.ndarray, at, window: int):
+    """The leverage of a quadratic trend through `steps` (the last axis: one window or rows of them) at `at`, less
+    that of a full `window` of consecutive steps ending where `steps` end: the part a short or gappy history adds (0
+    for a full window). From the window's steps, not the refit's inliers (the few points a refit leaves out move it
+    ~1%, and the replay needs no Gram matrix of each fit)."""
+    if steps.ndim == 1 and steps[-1] - steps[0] == len(steps) - 1 and at == int(at):  # consecutive (nearly always)
+        ahead = int(at - steps[-1]) - 1
+        return max(full_leverage(len(steps), ahead) - full_leverage(window, ahead), 0.0)
+    at = np.asarray(at, float)
+    span = at - steps[..., 0]
+    u = (steps - at[..., None]) / span[..., None]
+    return excess_from_sums(power_sums(u), at - steps[..., -1] - 1, window)
 
 
 def lag1(resid: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -192,7 +202,7 @@ def trend_fit(
         sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
     sd = max(sd, tail_sd(np.sort(np.abs(resid))))
     if deg == 2:
-        excess = excess_leverage(steps, at, window or len(steps))
+        excess = float(excess_leverage(steps, at, window or len(steps)))
     else:  # under 8 steps: a line, against the full window's quadratic
         excess = max(float(np.linalg.inv(a.T @ a)[0, 0]) - full_leverage(window or len(steps)), 0.0)
     return float(coef[0]), sd * float(widening(lag1(resid, keep), excess, persistence))
@@ -220,8 +230,6 @@ class SpikeDetector:
         self.cap = threshold + 1
         self.history: deque[tuple[int, float]] = deque(maxlen=window)
         self.grace_until = 0
-        self.learn_from = 0
-        """Steps before this neither are judged nor join the trend: those of a forgetting grace period."""
         self.run: list[tuple[int, float, float]] = []  # (step, loss, z) of the current run of suspect steps
         self.episode: float | None = None
         """After a spike: the bound the loss must come back under before judging resumes (inf: any finite loss)."""
@@ -231,7 +239,6 @@ class SpikeDetector:
         self.grace_until = step + self.grace_steps
         if forget:
             self.history.clear()
-            self.learn_from = self.grace_until  # after a spike (forget=False) the trend goes on learning
         self.run = []
 
     def zscore(self, step: int, loss: float) -> tuple[float, float, float]:
@@ -266,7 +273,7 @@ class SpikeDetector:
             what = "loss" if not math.isfinite(loss) else "grad_norm"
             return Verdict("spike", step, f"non-finite {what}", math.inf)
         if step < self.grace_until or len(self.history) < self.min_history:
-            if step >= self.learn_from:
+            if step >= self.grace_until or self.history:  # a forgetting grace (the trend emptied) learns nothing
                 self._accept(step, loss)
             return Verdict("ok")
         z, pred, scale = self.zscore(step, loss)
@@ -291,7 +298,6 @@ class SpikeDetector:
         return {
             "history": [list(x) for x in self.history],
             "grace_until": self.grace_until,
-            "learn_from": self.learn_from,
             "run": [list(x) for x in self.run],
             "episode": None if self.episode is None else repr(self.episode),  # a string: inf survives any JSON
         }
@@ -302,7 +308,6 @@ class SpikeDetector:
             hist = [[i - len(hist), v] for i, v in enumerate(hist)]
         self.history = deque(((int(s), float(v)) for s, v in hist), maxlen=self.window)
         self.grace_until = int(state["grace_until"])
-        self.learn_from = int(state.get("learn_from", 0))  # older checkpoints learnt from every step
         self.run = [tuple(x) for x in state["run"] if isinstance(x, list | tuple)]
         self.episode = None if state.get("episode") is None else float(state["episode"])
 
