@@ -397,3 +397,15 @@ def test_a_trend_from_a_few_dozen_steps_does_not_read_its_own_error_as_spikes(mo
     # the trend's error left out of the scale
     monkeypatch.setattr(spikes, "widening", lambda rho, excess, persistence: inflation(rho, persistence))
     assert false_spikes() >= 4
+
+
+def test_second_differences_leave_out_a_changing_slope():
+    """`diff_scatter` is the noise of one point: of pure noise by either order; through a curve whose slope changes
+    (a loss curve's fall, sampled sparsely) successive differences count the change as noise, second ones do not."""
+    from pretrainer.train.spikes import diff_scatter
+
+    noise = 0.5 * np.random.default_rng(0).standard_normal(2000)
+    assert diff_scatter(noise) == pytest.approx(0.5, rel=0.06)
+    assert diff_scatter(noise, order=2) == pytest.approx(0.5, rel=0.06)
+    bent = noise + 0.001 * np.arange(2000) ** 2
+    assert diff_scatter(bent) > 2 * 0.5 and diff_scatter(bent, order=2) == pytest.approx(0.5, rel=0.06)

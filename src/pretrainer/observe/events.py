@@ -132,8 +132,9 @@ HEALTH = _kind("health", ("verdict", "reasons"), "the trend verdict at an eval")
 CONTEXT = _kind("context", (), "the loss-by-position table and its verdict", open_fields=True)
 FORECAST = _kind(
     "forecast",
-    ("law", "params", "sigma", "points", "mode", "fit_step", "validation", "at_bound"),
-    "the loss-curve law chosen and fitted at an eval, with each law's validation score",
+    ("law", "params", "sigma", "points", "mode", "fit_step", "validation", "at_bound", "level"),
+    "the loss-curve law chosen and fitted at an eval, with each law's validation score (and the run's own level "
+    "against a law shared with a sibling calibration run)",
 )
 OFF_TRACK = _kind(
     "off_track",

@@ -8,10 +8,12 @@ question a forecast answers is about steps not yet seen. So the run's own observ
 error); the law with the lowest score over the cuts makes the forecast. With too few points for a cut, the law is the
 annealing law where a decay is in the data, the power law where none is.
 
-The band: the delta method (parameter covariance and the target's measured noise) is conditional on the law being
-right; the validation errors measure how wrong the chosen law was on this run at horizons it could check. Their 90th
-percentile per unit of log-horizon (log(t / cut)) scales to the forecast's horizon (log(t / fit step)); and laws that
-validated nearly as well (`RIVAL`) but forecast otherwise widen it to their forecasts. The band is the widest.
+The band (`predict`): one observation's noise, and the law's error at the forecast's horizon. The validation errors
+measure how wrong the chosen law, refitted on fewer points, was on this run at horizons it could check: their 90th
+percentile per unit of log-horizon (log(t / cut)), noise taken out, scales to the forecast's horizon
+(log(t / fit step)). Where the law could not be validated, the delta method (the parameters' covariance: what the law
+promises if it is right) stands in. The drift check keeps a wider band (`drift_band`): the widest of those, with the
+forecasts of laws that validated nearly as well (`RIVAL`).
 
 Conventions and what the data identify:
 - LR values are multipliers of one reference peak (the run's `optimizer.lr`), so the LR area is in peak-LR steps and
@@ -20,8 +22,13 @@ Conventions and what the data identify:
   the start), a branch decay, or an earlier run. Without one the forecast is `stable-phase only` (the power law: an
   upper estimate for a decaying schedule, said as such).
 - Several curves: the first is the target (`val/ref`); a curve with `offset` (a training-loss curve of the same run)
-  shares the law but has a level of its own; a calibration run shares everything. Long curves (per-step training
-  loss) are averaged into at most `MAX_POINTS` bins; each curve is weighted by its own measured noise.
+  shares the law but has a level of its own; a calibration run shares everything in the fit. Long curves (per-step
+  training loss) are averaged into at most `MAX_POINTS` bins; each curve is weighted by its own measured noise.
+- A sibling calibration run (another seed under the same LR, with points over the steps the target observed)
+  shares the law's shape, not always its level: seeds of one recipe differ by a level that persists (1-3% on the
+  micro runs). Where validation says carrying the run's own level forward (its last `RECENT` points against the shared
+  law) predicted its later points better, the forecast does (`level`). A branch decay from the run's own checkpoint
+  shares its history, level included.
 - A parameter at a bound of its search (L0 at 0, alpha at 0.02, ...) is named in `at_bound` and the notes: the data
   did not identify it, and the validation band is what the forecast then rests on.
 """
@@ -47,6 +54,8 @@ PER_PARAMETER = 2
 RIVAL = 2.0
 """A law whose validation score is within this factor of the chosen one's is a rival: the band covers its forecast
 too (laws that predicted the run about as well but disagree about the future are the forecast's uncertainty)."""
+RECENT = 3
+"""Points of the run that measure its own level against a law shared with another run (`Fit.level`)."""
 
 
 @dataclass
@@ -109,6 +118,10 @@ class Fit:
     them."""
     scatter: float | None = None
     """The target's point-to-point noise (`scatter`; None: too few points): one observation's draw around the curve."""
+    level: float = 0.0
+    """The run's own level, carried forward: its last `RECENT` points' mean relative departure from a law shared
+    with a sibling calibration run (another seed under the same LR, `sibling`), where that predicted the run's later
+    points better in validation; 0: the shared law's level (no such run, or it validated worse)."""
 
     @property
     def law(self) -> str:
@@ -136,6 +149,7 @@ class Fit:
             "fit_step": self.fit_step,
             "validation": {"scores": self.validation, "cuts": self.cuts, "spread": self.spread},
             "at_bound": self.at_bound,
+            "level": self.level,
         }
 
 
@@ -173,11 +187,12 @@ def _after(s: Series, cut: int) -> tuple[Basis, np.ndarray]:
 
 
 def validate(law: str, data: list[tuple[Curve, Series]], cuts: list[int]) -> np.ndarray:
-    """Rows (relative error, log(t / cut), curve index, observed loss) of each point of the run after each cut, the law
-    fitted on the points before it; and of each calibration run's points in that fit (horizon 0: a law that cannot
-    follow a calibration decay pays for it). A curve with a level of its own is scored only where it has points
-    before the cut. A cut with fewer than `PER_PARAMETER` points of the run per parameter of the law is not tried:
-    a law is not judged on data it could only interpolate."""
+    """Rows (relative error, log(t / cut), curve index, observed loss, relative error with the curve's own level) of
+    each point of the run after each cut, the law fitted on the points before it; and of each calibration run's points
+    in that fit (horizon 0: a law that cannot follow a calibration decay pays for it). The last column carries each
+    curve's `recent_level` before the cut forward (`Fit.level`). A curve with a level of its own is scored only where
+    it has points before the cut. A cut with fewer than `PER_PARAMETER` points of the run per parameter of the law is
+    not tried: a law is not judged on data it could only interpolate."""
     out = []
     need = PER_PARAMETER * LAWS[law].size
     for cut in cuts:
@@ -186,27 +201,63 @@ def validate(law: str, data: list[tuple[Curve, Series]], cuts: list[int]) -> np.
             part = _before(s, cut) if c.same_run else s
             if len(part.loss):
                 train.append(part)
-                scored.append((i, s, c.same_run, sum(x.offset for x in train[:-1]) if s.offset else None))
+                off = sum(x.offset for x in train[:-1]) if s.offset else None
+                scored.append((i, s, part, c.same_run, off))
                 own += len(part.loss) if c.same_run else 0
         if own < need:
             continue
         f = fit_law(LAWS[law], train, rounds=1)
-        for i, s, same, off in scored:
+        for i, s, part, same, off in scored:
             b, y = _after(s, cut) if same else (s.basis, s.loss)
             if len(y):
                 horizon = np.log(b.steps / cut) if same else np.zeros(len(y))
-                out.append(np.stack([(f.predict(b, off) - y) / y, horizon, np.full(len(y), i), y], axis=1))
-    return np.concatenate(out) if out else np.zeros((0, 4))
+                p = f.predict(b, off)
+                own = p * (1.0 + recent_level(f, part, off)) if same else p
+                out.append(np.stack([(p - y) / y, horizon, np.full(len(y), i), y, (own - y) / y], axis=1))
+    return np.concatenate(out) if out else np.zeros((0, 5))
+
+
+def recent_level(f: LawFit, s: Series, offset: int | None = None) -> float:
+    """The mean relative departure of the last `RECENT` points of `s` from the fitted law (0 without points)."""
+    if not len(s.loss):
+        return 0.0
+    b = s.basis
+    k = slice(-RECENT, None)
+    recent = Basis(b.steps[k], b.s1[k], {lam: v[k] for lam, v in b.s2.items()}, b.groups)
+    p = f.predict(recent, offset)
+    return float(np.mean((s.loss[k] - p) / p))
+
+
+def sibling(curves: list[Curve]) -> bool:
+    """Whether a calibration curve is a sibling of the target: another run (another seed) under the same LR up to the
+    target's last observation, with `RECENT` points within the steps the target observed. Between siblings a
+    persistent difference is a level of the seed. Not between runs of different schedules: there it is also the
+    schedules' difference, which the shared law is there to carry (two micro cosines calibrated by a WSD run sat
+    0.8% and 1.6% above the shared law half-way and ended 1.3% and 0.4% below its forecast: their level carried
+    forward would have moved it the wrong way). A branch decay from the target's checkpoint starts where the
+    target's points stop: it shares the target's history, level included."""
+    t = curves[0].steps[curves[0].steps >= curves[0].fit_from]
+    if not len(t):
+        return False
+    end = int(t[-1])
+    return any(
+        not c.same_run
+        and len(c.lr) >= end
+        and np.allclose(c.lr[:end], curves[0].lr[:end])
+        and np.sum((c.steps >= t[0]) & (c.steps <= end)) >= RECENT
+        for c in curves[1:]
+    )
 
 
 def spread_of(rows: np.ndarray, sd: np.ndarray) -> float:
     """The 90th percentile of the law's own error per unit of log-horizon, over the longer half of the horizons:
-    each error with the point's measured noise taken out (in quadrature), since the band adds that noise itself."""
+    each error with the point's observation noise (`sd`, per curve) taken out in quadrature, since the band adds
+    that noise itself."""
     rows = rows[rows[:, 1] > 0]
     if not len(rows):
         return 0.0
     rows = rows[rows[:, 1] >= np.median(rows[:, 1])]
-    e, h, which, y = rows.T
+    e, h, which, y = rows[:, :4].T
     noise = sd[which.astype(int)] / np.abs(y)
     model = np.sqrt(np.maximum(e**2 - noise**2, 0.0))
     return float(np.quantile(model / h, 0.9))
@@ -257,7 +308,10 @@ def fit(curves: list[Curve], *, max_points: int = MAX_POINTS, laws: tuple[str, .
             f = fitted.get(name) or fit_law(LAWS[name], every)
             if credible(f, end):
                 rivals.append(f)
-    spread = spread_of(errors[chosen], lf.sd) if chosen in scores else 0.0
+    # each curve's observation noise, as the band counts it: the residual sd would also hold the law's misfit (with a
+    # calibration run, the target's own transient against the shared law: 3-9% on the micro runs), which would
+    # cancel the very errors the spread measures
+    noise = np.array([scatter(s.loss) or sd for (_, s), sd in zip(data, lf.sd)])
     calibrated = lf.law.name != "power" and lf.coef[2] > 0
     if not decays:
         notes = ["no decay in the data: the decay gain is not calibrated (stable-phase only)"]
@@ -265,19 +319,34 @@ def fit(curves: list[Curve], *, max_points: int = MAX_POINTS, laws: tuple[str, .
         notes = ["a decay is in the data but no decay gain is identified by it (stable-phase only)"]
     else:
         notes = []
+    rows, level = errors.get(chosen, np.zeros((0, 5))), 0.0
+    later = rows[rows[:, 1] > 0]
+    if len(later) and sibling(curves):
+        shared, kept = float(np.mean(np.abs(later[:, 0]))), float(np.mean(np.abs(later[:, 4])))
+        if kept < shared:  # seeds differ by a level that persists: the run's own predicted its later points better
+            level = recent_level(lf, data[0][1])
+            rows = np.concatenate([rows[:, 4:5], rows[:, 1:]], axis=1)
+            notes.append(
+                f"the calibration run shares the law, this run keeps its own level ({level:+.2%} from the shared law"
+                f" over its last {RECENT} points; validated {kept:.2%} against {shared:.2%} at the shared level)"
+            )
+    spread = spread_of(rows, noise) if chosen in scores else 0.0
     if not scores and len(names) > 1:
         notes.append(f"too few points to validate: the {chosen} law by default")
     if lf.at_bound:
         notes.append(f"at a bound (not identified by these points): {', '.join(lf.at_bound)}")
     last = max(int(s.basis.steps.max()) for c, s in data if c.same_run)
     own = curves[0].loss[curves[0].steps >= curves[0].fit_from]
-    return Fit(lf, float(lf.sd[0]), points, calibrated, last, scores, spread, len(cuts), notes, rivals, scatter(own))
+    one = scatter(own)
+    return Fit(lf, float(lf.sd[0]), points, calibrated, last, scores, spread, len(cuts), notes, rivals, one, level)
 
 
 def scatter(loss: np.ndarray) -> float | None:
-    """The noise of one observation (`spikes.diff_scatter`; None under 4 points). Unlike the fit's residual sd it
-    holds no misfit of the law, which the band counts apart (the validation spread)."""
-    return diff_scatter(loss) if len(loss) >= 4 else None
+    """The noise of one observation (`spikes.diff_scatter` of second differences; None under 4 points). Unlike the
+    fit's residual sd it holds no misfit of the law, which the band counts apart (the validation spread); unlike
+    successive differences, no change of slope between evals far apart (the micro runs' val/ref every 20 steps
+    through their fall read a median 1.2x the noise that way)."""
+    return diff_scatter(loss, order=2) if len(loss) >= 4 else None
 
 
 def credible(lf: LawFit, end: Basis) -> bool:
@@ -288,36 +357,46 @@ def credible(lf: LawFit, end: Basis) -> bool:
 
 
 def predict(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(value, lo, hi) at `steps` under `lr`: the chosen law and its 90% band. Three independent errors, added in
-    quadrature: the fitted parameters' (the delta method), one observation's noise (the final value is one eval, or
-    one step's loss: the target's point-to-point scatter) and the law's own error at that horizon (its validation
-    errors per log-horizon, noise taken out). Each is a 90% bound alone; the widest of them, or the rivals' forecasts
-    added, covered 98-100% of real outcomes where 90% was claimed (docs/FORECAST.md)."""
+    """(value, lo, hi) at `steps` under `lr`: the chosen law and its 90% band. Two independent errors, added in
+    quadrature: one observation's noise (the final value is one eval, or one step's loss: the target's point-to-point
+    scatter; a run's own level, `Fit.level`, adds the noise of the `RECENT` points it is the mean of) and the law's
+    error at that horizon. Where the law was validated, that error is measured: its validation errors per
+    log-horizon (noise taken out) scaled to the horizon. They are the errors of the law refitted on fewer points, so
+    they hold its parameters' error too, and the delta method is not added to them (added, the bands held 97-100%
+    of the outcomes where 90% was claimed; docs/BENCHMARKS.md). Where it was not, the delta method (what the law promises
+    if it is right) stands in."""
     b, value, var = _parameter_variance(f, lr, steps, warmup)
     noise = f.scatter if f.scatter is not None else f.sigma
+    noise2 = noise**2 * (1.0 + (1.0 / RECENT if f.level else 0.0))
     horizon = np.maximum(np.log(np.maximum(b.steps, 1) / max(f.fit_step, 1)), 0.0)
-    model = f.spread * horizon * np.abs(value)
-    half = np.sqrt(Z90**2 * (var + noise**2) + model**2)
+    if f.law in f.validation:
+        law2 = (f.spread * horizon * value) ** 2
+    else:
+        law2 = Z90**2 * var
+    half = np.sqrt(Z90**2 * noise2 + law2)
     return value, np.maximum(value - half, 0.0), value + half  # a loss is not negative
 
 
 def _parameter_variance(f: Fit, lr: np.ndarray, steps, warmup: int) -> tuple[Basis, np.ndarray, np.ndarray]:
+    """The law at `steps` (at the run's own level) and the variance the fitted parameters give it."""
     b = basis(lr, warmup, steps)
-    g = f.chosen.gradient(b)
-    return b, f.chosen.predict(b), np.maximum(np.einsum("ij,jk,ik->i", g, f.chosen.cov, g), 0.0)
+    g = f.chosen.gradient(b) * (1.0 + f.level)
+    return b, f.chosen.predict(b) * (1.0 + f.level), np.maximum(np.einsum("ij,jk,ik->i", g, f.chosen.cov, g), 0.0)
 
 
 def drift_band(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(value, top of the 90% band) for the drift check: the widest of the delta method with the fit's residual sd,
-    the validation errors scaled to the horizon, and the rivals' forecasts. Wider than `predict`'s on purpose: a
-    healthy curve wanders around a law by more than one eval's noise, and this band was measured with no false
-    drift in 50,400 healthy steps."""
+    """(value, top of the 90% band) for the drift check: the widest of the delta method with the fit's residual sd
+    (at least one eval's noise), the validation errors scaled to the horizon, and the rivals' forecasts. Wider than
+    `predict`'s on purpose: a healthy curve wanders around a law by more than one eval's noise. The residual sd of a
+    law through a few points of a steady fall can be far below one eval's noise (a healthy corpus run: 0.013 from 8
+    evals, the point-to-point scatter 0.054), and its plateau after the fall was called a drift."""
     b, value, var = _parameter_variance(f, lr, steps, warmup)
-    delta = Z90 * np.sqrt(var + f.sigma**2)
+    noise = max(f.sigma, f.scatter or 0.0)
+    delta = Z90 * np.sqrt(var + noise**2)
     horizon = np.maximum(np.log(np.maximum(b.steps, 1) / max(f.fit_step, 1)), 0.0)
     hi = value + np.maximum(delta, f.spread * horizon * np.abs(value))
     for rival in f.rivals:
-        hi = np.maximum(hi, rival.predict(b))
+        hi = np.maximum(hi, rival.predict(b) * (1.0 + f.level))
     return value, hi
 
 

@@ -154,7 +154,8 @@ def law_line(f: Fit) -> str:
     scores = ", ".join(f"{n} {s:.2%}" for n, s in sorted(f.validation.items(), key=lambda x: x[1]))
     how = f"validated on {f.cuts} cuts: {scores}" if scores else "not validated: too few points"
     bound = f"; at a bound: {', '.join(f.at_bound)}" if f.at_bound else ""
-    return f"law: {f.law} ({how}){bound}"
+    level = f"; this run's own level {f.level:+.2%} from the law shared with its calibration run" if f.level else ""
+    return f"law: {f.law} ({how}){bound}{level}"
 
 
 def verdict_lines(o: Outlook, target: float | None = None) -> list[str]:

@@ -60,12 +60,15 @@ def robust_sd(residuals: np.ndarray) -> float:
     return MAD_TO_SD * float(np.median(np.abs(residuals)))
 
 
-def diff_scatter(values) -> float:
-    """The point-to-point noise of a series: the robust sd of its successive differences (about their median, so a
-    steady trend is not noise) over sqrt(2); 0 under two points. Used where a level's noise must not include the
-    misfit of a curve drawn through it (the forecast band, the health verdicts)."""
-    d = np.diff(np.asarray(values, float))
-    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) else 0.0
+def diff_scatter(values, order: int = 1) -> float:
+    """The point-to-point noise of a series: the robust sd of its differences of `order` (about their median, so a
+    steady trend is not noise) over the sd those take from unit noise (sqrt 2 for successive differences, sqrt 6 for
+    second ones); 0 under `order` + 1 points. Used where a level's noise must not include the misfit of a curve drawn
+    through it (the forecast band, the health verdicts). Second differences also leave out a slope that changes
+    between points far apart (evals through a loss curve's fall)."""
+    d = np.diff(np.asarray(values, float), order)
+    unit = math.sqrt(math.comb(2 * order, order))
+    return MAD_TO_SD * float(np.median(np.abs(d - np.median(d)))) / unit if len(d) else 0.0
 
 
 TAIL_Q, TAIL_Z = 0.95, 1.96
