@@ -212,8 +212,8 @@ def validate(law: str, data: list[tuple[Curve, Series]], cuts: list[int]) -> np.
             if len(y):
                 horizon = np.log(b.steps / cut) if same else np.zeros(len(y))
                 p = f.predict(b, off)
-                own = p * (1.0 + recent_level(f, part, off)) if same else p
-                out.append(np.stack([(p - y) / y, horizon, np.full(len(y), i), y, (own - y) / y], axis=1))
+                leveled = p * (1.0 + recent_level(f, part, off)) if same else p
+                out.append(np.stack([(p - y) / y, horizon, np.full(len(y), i), y, (leveled - y) / y], axis=1))
     return np.concatenate(out) if out else np.zeros((0, 5))
 
 
@@ -363,8 +363,8 @@ def predict(f: Fit, lr: np.ndarray, steps, warmup: int = 0) -> tuple[np.ndarray,
     error at that horizon. Where the law was validated, that error is measured: its validation errors per
     log-horizon (noise taken out) scaled to the horizon. They are the errors of the law refitted on fewer points, so
     they hold its parameters' error too, and the delta method is not added to them (added, the bands held 97-100%
-    of the outcomes where 90% was claimed; docs/BENCHMARKS.md). Where it was not, the delta method (what the law promises
-    if it is right) stands in."""
+    of the outcomes where 90% was claimed; docs/BENCHMARKS.md). Where it was not, the delta method (what the law
+    promises if it is right) stands in."""
     b, value, var = _parameter_variance(f, lr, steps, warmup)
     noise = f.scatter if f.scatter is not None else f.sigma
     noise2 = noise**2 * (1.0 + (1.0 / RECENT if f.level else 0.0))
