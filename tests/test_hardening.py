@@ -664,7 +664,9 @@ def test_a_checkpoint_of_another_engine_is_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_one_process_checkpoint_under_a_zero2_launch_is_one_line_per_rank(saved, tmp_path, cache_dir):
-    """It was a traceback on one rank (`*_optim_states.pt` not found) and a quoted gloo error on the other."""
+    """It was a traceback on one rank (`*_optim_states.pt` not found) and a quoted gloo error on the other. Each rank
+    that reaches the check says the one line; torch elastic stops the other workers when the first exits, so a slower
+    rank may be stopped before it gets there (CI saw one line of two): no rank says anything else."""
     ckpt = sorted((saved / "checkpoints").glob("step_*"))[-1]
     cmd = [sys.executable, "scripts/launch.py", "--config_file", "accelerate_configs/zero2.yaml", "--num_processes"]
     cmd += ["2", "--mixed_precision", "no", "scripts/run_recipe.py", *cli(tmp_path / "z2", cache_dir)]
@@ -673,7 +675,9 @@ def test_a_one_process_checkpoint_under_a_zero2_launch_is_one_line_per_rank(save
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.split("\n") if x.startswith("error: ")]
-    assert len(lines) == 2 and all("saved by one process or DDP, this launch runs DeepSpeed ZeRO" in x for x in lines)
+    assert 1 <= len(lines) <= 2
+    assert all("saved by one process or DDP, this launch runs DeepSpeed ZeRO" in x for x in lines)
+    assert "Traceback" not in proc.stderr
     assert "optim_states" not in proc.stderr and "gloo" not in proc.stderr  # (torch elastic's own report remains)
 
 
