@@ -175,15 +175,12 @@ def _series(curves: list[Curve], max_points: int) -> list[tuple[Curve, Series]]:
 
 def _before(s: Series, cut: int) -> Series:
     m = s.basis.steps <= cut
-    b = s.basis
-    sub = Basis(b.steps[m], b.s1[m], {k: v[m] for k, v in b.s2.items()}, b.groups)
-    return Series(sub, s.loss[m], s.weight[m], s.offset)
+    return Series(s.basis.take(m), s.loss[m], s.weight[m], s.offset)
 
 
 def _after(s: Series, cut: int) -> tuple[Basis, np.ndarray]:
     m = s.basis.steps > cut
-    b = s.basis
-    return Basis(b.steps[m], b.s1[m], {k: v[m] for k, v in b.s2.items()}, b.groups), s.loss[m]
+    return s.basis.take(m), s.loss[m]
 
 
 def validate(law: str, data: list[tuple[Curve, Series]], cuts: list[int]) -> np.ndarray:
@@ -221,10 +218,8 @@ def recent_level(f: LawFit, s: Series, offset: int | None = None) -> float:
     """The mean relative departure of the last `RECENT` points of `s` from the fitted law (0 without points)."""
     if not len(s.loss):
         return 0.0
-    b = s.basis
     k = slice(-RECENT, None)
-    recent = Basis(b.steps[k], b.s1[k], {lam: v[k] for lam, v in b.s2.items()}, b.groups)
-    p = f.predict(recent, offset)
+    p = f.predict(s.basis.take(k), offset)
     return float(np.mean((s.loss[k] - p) / p))
 
 

@@ -101,6 +101,10 @@ class Basis:
     """The multi-power law's groups of falls: (last step, LR fallen to, LR area before it, total fall), each group's
     steps all <= or all > every step in `steps`."""
 
+    def take(self, index) -> Basis:
+        """The basis at some of its steps (a mask or a slice): the groups stay, as each still bounds every step."""
+        return Basis(self.steps[index], self.s1[index], {k: v[index] for k, v in self.s2.items()}, self.groups)
+
 
 _LAST: list = []
 """The last sequence's passes, with a weak reference to it: the forecast asks for several bases of one run's LR
