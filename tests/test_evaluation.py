@@ -232,15 +232,29 @@ def test_a_gathered_bf16_state_makes_a_bf16_copy():
     assert (copy(ids).logits.float() - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(tiny_run, tmp_path, monkeypatch, capsys):
-    """Offline: huggingface_hub's own HfApi, its two network calls intercepted; the card and the files checked."""
+def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(cache_dir, tmp_path, monkeypatch, capsys):
+    """Offline: huggingface_hub's own HfApi, its two network calls intercepted; the card and the files checked. The
+    run is the three-stage micro recipe with the tiny recipe's local lm-eval task (seconds; the tiny run itself, four
+    minutes on two cores, is for the `slow` variations above)."""
+    import os
     from pathlib import Path
 
     import export_checkpoint
+    import run_recipe
     from huggingface_hub import HfApi, ModelCard
 
     from pretrainer.observe.health import load_run
 
+    run = tmp_path / "run"
+    args = [str(ROOT / "tests/fixtures/micro3.yaml"), "--output-dir", str(run), "--set", f"data.cache_dir={cache_dir}"]
+    args += ["--set", "eval.lm_eval={tasks: [heldout_python_bpb], include_path: eval_tasks}"]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # the task's include_path is relative, as in the tiny recipe
+    try:
+        assert run_recipe.main(args) == 0
+    finally:
+        os.chdir(cwd)
+    capsys.readouterr()
     calls = []
 
     def create_repo(self, repo_id, **kw):
@@ -253,7 +267,7 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(tiny_ru
 
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
-    ckpt = sorted((tiny_run / "checkpoints").glob("step_*"))[-1]
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
     out = tmp_path / "export"
     assert export_checkpoint.main([str(ckpt), str(out), "--push-to-hub", "me/tiny"]) == 0
     assert capsys.readouterr().out.strip().endswith("https://hf.co/me/tiny/commit/abc")
@@ -262,8 +276,8 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(tiny_ru
     assert {"README.md", "config.json", "model.safetensors", "provenance.json", "tokenizer.json"} <= set(upload[2])
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and "pretrainer" in card.data.tags
-    val = [m["val/ref"] for m in load_run(tiny_run)["evals"] if "val/ref" in m][-1]
+    val = [m["val/ref"] for m in load_run(run)["evals"] if "val/ref" in m][-1]
     text = card.text
-    assert f"`val/ref` (held-out loss on the run's fixed validation batches) at step 220: {val:.4f}" in text
-    assert "| main | 0 | 256 |" in text and "| anneal |" in text  # the recipe's stages, from the run
+    assert f"`val/ref` (held-out loss on the run's fixed validation batches) at step 30: {val:.4f}" in text
+    assert "| main | 0 | 64 |" in text and "| long | 16 | 256 |" in text and "| anneal |" in text  # from the run
     assert "- lm-eval `heldout_python_bpb/bits_per_byte`: " in text and "0 loss spike(s), 0 rollback(s)" in text
