@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, tiny_llama
+from conftest import FIXTURES, ROOT, tiny_llama
 from transformers import LlamaForCausalLM
 
 from pretrainer.evaluation.context import context_verdict, position_buckets, position_table
@@ -236,7 +236,6 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(cache_d
     """Offline: huggingface_hub's own HfApi, its two network calls intercepted; the card and the files checked. The
     run is the three-stage micro recipe with the tiny recipe's local lm-eval task (seconds; the tiny run itself, four
     minutes on two cores, is for the `slow` variations above)."""
-    import os
     from pathlib import Path
 
     import export_checkpoint
@@ -246,14 +245,10 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(cache_d
     from pretrainer.observe.health import load_run
 
     run = tmp_path / "run"
-    args = [str(ROOT / "tests/fixtures/micro3.yaml"), "--output-dir", str(run), "--set", f"data.cache_dir={cache_dir}"]
+    args = [str(FIXTURES / "micro3.yaml"), "--output-dir", str(run), "--set", f"data.cache_dir={cache_dir}"]
     args += ["--set", "eval.lm_eval={tasks: [heldout_python_bpb], include_path: eval_tasks}"]
-    cwd = os.getcwd()
-    os.chdir(ROOT)  # the task's include_path is relative, as in the tiny recipe
-    try:
-        assert run_recipe.main(args) == 0
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(ROOT)  # the task's include_path is relative, as in the tiny recipe
+    assert run_recipe.main(args) == 0
     capsys.readouterr()
     calls = []
 
