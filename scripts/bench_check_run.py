@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrainer.analysis.replay import spike_episodes, spike_episodes_stepwise
 from pretrainer.recipe.loading import dump_recipe, load_recipe
-from pretrainer.train.spike_replay import spike_episodes, spike_episodes_stepwise
 
 ROOT = Path(__file__).resolve().parents[1]
 LOG_EVERY = 10
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
 
 def phases(run_dir: Path) -> dict:
     """Seconds of each phase of check_run's work in this process (the imports are timed by `main` in a fresh one)."""
-    from pretrainer.observe import health, outlook
+    from pretrainer.analysis import health, outlook
 
     out, t = {}, time.perf_counter()
     run = health.load_run(run_dir)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrainer.observe.forecast import Curve, fit, predict
-from pretrainer.observe.health import load_run, verdict
-from pretrainer.observe.laws import LAWS, LawFit, basis
-from pretrainer.observe.outlook import (
+from pretrainer.analysis.forecast import Curve, fit, predict
+from pretrainer.analysis.health import load_run, verdict
+from pretrainer.analysis.laws import LAWS, LawFit, basis
+from pretrainer.analysis.outlook import (
     MIN_POINTS,
     calibration_curve,
     csv_curve,

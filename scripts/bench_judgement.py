@@ -114,7 +114,7 @@ def run(out: Path, cache: Path, steps: int, sets: list[str]) -> tuple[int, float
 
 def judged(out: Path) -> dict:
     """What a run's judgements did: counts by kind, the non-healthy verdicts after warmup, check_run's replay."""
-    from pretrainer.observe.health import report
+    from pretrainer.analysis.health import report
 
     events = read_jsonl(out / "events.jsonl")
     steps = max((m["step"] for m in read_jsonl(out / "metrics.jsonl")), default=0)
@@ -172,7 +172,7 @@ def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
 
 def _run_series(d: Path) -> dict:
     """A run's timeline for the rule: its per-step losses, its own `spikes` section, grace starts and warmup."""
-    from pretrainer.observe.health import grace_starts, load_run, spike_rule, warmup_of
+    from pretrainer.analysis.health import grace_starts, load_run, spike_rule, warmup_of
 
     run = load_run(d)
     steps, loss = run["losses"].steps, run["losses"].values.astype(np.float32)
@@ -202,8 +202,8 @@ def csv_series(path: Path) -> dict:
 
 def bumps_on(series: list[dict], positions: int = POSITIONS) -> dict:
     """`bump_recall` over curves given as `_run_series` / `csv_series` give them."""
-    from pretrainer.train.spike_replay import spike_episodes
-    from pretrainer.train.spikes import trend_fit
+    from pretrainer.analysis.replay import spike_episodes
+    from pretrainer.stability.spikes import trend_fit
 
     out: dict[str, dict] = {}
     for size in BUMPS:
@@ -245,7 +245,7 @@ def bumps_on(series: list[dict], positions: int = POSITIONS) -> dict:
 def curves_judged(paths: list[Path], positions: int = POSITIONS) -> dict:
     """The rule on per-step curves from elsewhere, taken as healthy: its spikes on each (false alarms, unless the
     curve had an incident) and its reach on each curve's own noise (bumps)."""
-    from pretrainer.train.spike_replay import spike_episodes
+    from pretrainer.analysis.replay import spike_episodes
 
     series = [csv_series(p) for p in paths]
     rows = []
@@ -273,7 +273,7 @@ def noise_model_false_alarms(steps: int = 1_000_000, seed: int = 0) -> dict[str,
     (AR(1) with Gaussian innovations): the rate the rule promises when a run's loss is not Gaussian."""
     from scipy.signal import lfilter
 
-    from pretrainer.train.spike_replay import spike_episodes
+    from pretrainer.analysis.replay import spike_episodes
 
     out = {}
     for kind in NOISE_MODELS:

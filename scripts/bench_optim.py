@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pretrainer.observe.health import load_run
+from pretrainer.analysis.health import load_run
 from pretrainer.recipe.sections import OptimizerSection
 from pretrainer.train.optim import build_optimizer
 

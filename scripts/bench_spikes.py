@@ -18,7 +18,8 @@ from collections import deque
 import numpy as np
 
 from pretrainer.cli import run_main, script_parser
-from pretrainer.train.spikes import MAD_TO_SD, SpikeDetector
+from pretrainer.stability.spikes import SpikeDetector
+from pretrainer.stats import MAD_TO_SD
 
 WARMUP, STEPS = 100, 10_000
 BOUNDARY = 6_000  # the stage boundary of the shifted curves

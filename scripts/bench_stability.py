@@ -24,8 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer.model.losses import install_z_loss
 from pretrainer.recipe.stability import SkipStepSection
-from pretrainer.train.layers import LayerStats
-from pretrainer.train.skip_step import SkipStep
+from pretrainer.stability.skip_step import SkipStep
+from pretrainer.train.measures.layers import LayerStats
 
 SIZES = ((128, 4), (256, 8), (512, 16))
 

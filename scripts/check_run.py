@@ -35,9 +35,9 @@ def main(argv=None) -> int:
     def run() -> int:
         from pathlib import Path
 
+        from pretrainer.analysis.health import format_report, load_run, report
+        from pretrainer.analysis.outlook import forecast_report, merged_report
         from pretrainer.errors import PretrainerError
-        from pretrainer.observe.health import format_report, load_run, report
-        from pretrainer.observe.outlook import forecast_report, merged_report
 
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         if (mr := merged_report(args.output_dir, run=run_data)) is not None:
             r["merged"] = mr
         if args.plot:
-            from pretrainer.observe.plots import plot_run
+            from pretrainer.analysis.plots import plot_run
 
             r["plot"] = str(plot_run(args.output_dir, args.plot))
         text = format_report(r) + "".join(f"\nforecast: {line}" for line in r.get("forecast", {}).get("lines", []))

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
         from pretrainer.errors import PretrainerError
         from pretrainer.recipe.loading import load_recipe
-        from pretrainer.train.critical_batch import format_result, measure, record
+        from pretrainer.train.batch_branches import format_result, measure, record
 
         ckpt = Path(args.checkpoint)
         run_dir = ckpt.parent.parent

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merged)
         print(out)
         if args.push_to_hub:
-            from pretrainer.checkpoint.publish import push_to_hub
+            from pretrainer.publishing.hub import push_to_hub
 
             print(push_to_hub(out, args.push_to_hub, private=not args.public))
         return 0

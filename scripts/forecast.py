@@ -39,9 +39,9 @@ def main(argv=None) -> int:
     def run() -> int:
         import numpy as np
 
+        from pretrainer.analysis import outlook as ol
+        from pretrainer.analysis.forecast import fit, predict
         from pretrainer.errors import PretrainerError
-        from pretrainer.observe import outlook as ol
-        from pretrainer.observe.forecast import fit, predict
         from pretrainer.recipe.loading import load_recipe
 
         if bool(args.run_dir) == bool(args.curve):
@@ -115,7 +115,7 @@ def plot(path, f, curve, observed, alts, np):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pretrainer.observe.forecast import predict
+    from pretrainer.analysis.forecast import predict
 
     steps = np.unique(np.linspace(1, len(curve.lr), 400).astype(int))
     fig, ax = plt.subplots(figsize=(8, 5))

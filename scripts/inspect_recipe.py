@@ -41,15 +41,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
-        from pretrainer.data.sources import prepared_tokens
-        from pretrainer.errors import PretrainerError
-        from pretrainer.observe.summary import (
+        from pretrainer.analysis.summary import (
             estimate_wall_time,
             format_summary,
             model_shape,
             sharding_summary,
             summarize,
         )
+        from pretrainer.data.sources import prepared_tokens
+        from pretrainer.errors import PretrainerError
         from pretrainer.recipe.loading import load_recipe
 
         try:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         elif args.sharding:
             raise PretrainerError("--sharding: give --gpus too (the sharding is judged at a GPU count)")
         if args.plot:
-            from pretrainer.observe.plots import plot_schedule
+            from pretrainer.analysis.plots import plot_schedule
 
             plot_schedule(recipe, info, args.plot)
         emit_json(info) if args.json else print(format_summary(info))

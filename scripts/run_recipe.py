@@ -14,6 +14,7 @@ a checkpoint: run again with --resume auto.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 from pretrainer.cli import run_main, script_parser
 from pretrainer.train.launcher import record_exit
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
+        from pretrainer.publishing.hub import publish_run
         from pretrainer.recipe.loading import load_recipe
         from pretrainer.train.trainer import Trainer
 
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
                 raise PretrainerError("--branch-decay-from needs --decay-steps N and a new --output-dir")
             recipe = branch_decay_recipe(recipe, read_meta(args.branch_decay_from)["step"], args.decay_steps)
             resume, allow = args.branch_decay_from, args.allow_recipe_change or BRANCH_CHANGES
-        Trainer(
+        trainer = Trainer(
             recipe,
             args.output_dir,
             args.overwrite,
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
             allow_recipe_change=allow,
             allow_data_change=args.allow_data_change,
             deep_verify=args.verify == "deep",
-        ).train()
+        )
+        trainer.train(after=partial(publish_run, recipe.publish) if recipe.publish.repo else None)
         return 0
 
     code = run_main(run, debug=args.debug)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, ROOT, step_losses
 
+from pretrainer.analysis.critical_batch import estimate, passing, schedule_line, suggested_size
 from pretrainer.errors import RecipeError
-from pretrainer.observe.cbs import estimate, passing, schedule_line, suggested_size
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.lint import lint
 from pretrainer.recipe.loading import load_recipe

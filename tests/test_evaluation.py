@@ -137,7 +137,7 @@ def tiny_run(tmp_path_factory, cache_dir):
 def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     import check_run
 
-    from pretrainer.observe.health import load_run
+    from pretrainer.analysis.health import load_run
 
     evals = load_run(tiny_run)["evals"]
     assert [m["step"] for m in evals] == [0, 50, 100, 150, 180, 200, 220]  # every 50 steps and at each stage end
@@ -163,8 +163,8 @@ def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
 def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run, capsys, tmp_path):
     import eval_checkpoint
 
+    from pretrainer.analysis.health import load_run
     from pretrainer.checkpoint import list_checkpoints
-    from pretrainer.observe.health import load_run
 
     evals = {m["step"]: m for m in load_run(tiny_run)["evals"]}
     bpb = "eval/heldout_python_bpb/bits_per_byte"
@@ -242,7 +242,7 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(cache_d
     import run_recipe
     from huggingface_hub import HfApi, ModelCard
 
-    from pretrainer.observe.health import load_run
+    from pretrainer.analysis.health import load_run
 
     run = tmp_path / "run"
     args = [str(FIXTURES / "micro3.yaml"), "--output-dir", str(run), "--set", f"data.cache_dir={cache_dir}"]

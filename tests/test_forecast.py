@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from pretrainer.observe.forecast import Curve, credible, fit, off_track, predict
-from pretrainer.observe.laws import LAWS, LawFit, basis
-from pretrainer.observe.outlook import csv_curve, forecast_report, law_line, outlook
+from pretrainer.analysis.forecast import Curve, credible, fit, off_track, predict
+from pretrainer.analysis.laws import LAWS, LawFit, basis
+from pretrainer.analysis.outlook import csv_curve, forecast_report, law_line, outlook
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.schedules import wsd
 
@@ -109,7 +109,7 @@ def test_the_loop_logs_a_drift_when_it_begins_and_check_run_remembers_it(tmp_pat
     saw it when it showed, logged one `off_track` event, and check_run says the run was off track."""
     import json
 
-    from pretrainer.observe.outlook import Forecaster, remembered_drift
+    from pretrainer.analysis.outlook import Forecaster, remembered_drift
 
     healthy = drawn("const", seed=3)
     loss = healthy.loss.copy()
@@ -204,7 +204,7 @@ def test_momentum_is_the_first_order_filter():
     rounding over a long sequence (several blocks at every lam) and a short one."""
     from scipy.signal import lfilter
 
-    from pretrainer.observe.laws import LAMBDAS, momentum
+    from pretrainer.analysis.laws import LAMBDAS, momentum
 
     rng = np.random.default_rng(0)
     for n in (7, 300_000):
@@ -217,7 +217,7 @@ def test_momentum_is_the_first_order_filter():
 def test_the_band_holds_one_eval_of_noise_and_the_drift_check_more():
     """The final value is one noisy eval: the band's noise is the curve's point-to-point scatter (the trend left out),
     so at the last observed step the band is ~Z90 x the noise added; the drift check keeps the fit's residual sd."""
-    from pretrainer.observe.forecast import Z90, drift_band, scatter
+    from pretrainer.analysis.forecast import Z90, drift_band, scatter
 
     c = drawn("cosine", seed=3, noise=0.02)
     assert scatter(c.loss) == pytest.approx(0.02, rel=0.25)  # a curve falling from 5 to 2: the descent is not noise

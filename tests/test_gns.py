@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pretrainer.train.gns import NoiseScale, gns_terms
+from pretrainer.train.measures.noise_scale import NoiseScale, gns_terms
 
 
 def test_known_noise_scale_within_20_percent():

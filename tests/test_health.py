@@ -11,7 +11,7 @@ import pytest
 import run_recipe
 from conftest import FIXTURES
 
-from pretrainer.observe.health import report, verdict
+from pretrainer.analysis.health import report, verdict
 
 
 def curve(n=400, seed=0, floor=2.0):
@@ -129,7 +129,7 @@ def test_no_verdict_flip_from_noise(seed):
 def test_report_uses_the_live_rule_on_the_logged_curve():
     """check_run.py judges spikes as the live detector does: a 3-step rise of 5 noise sd that came back is a
     recovered spike even with no events; one that never came back is divergence."""
-    from pretrainer.train.spike_replay import spike_episodes
+    from pretrainer.analysis.replay import spike_episodes
 
     losses = curve(n=600, seed=3)
     bumped = [(s, v + (0.25 if 400 <= s < 403 else 0.0)) for s, v in losses]  # noise sd is 0.05
@@ -162,7 +162,7 @@ def rough_curve(n, seed):
 def test_fast_replay_decides_as_the_live_detector_step_by_step(seed):
     """check_run's batched replay (tables of trend fits, whole stretches of `ok` steps at once) finds the same
     episodes as feeding every step through the live SpikeDetector, and needs far fewer live fits."""
-    from pretrainer.train.spike_replay import spike_episodes, spike_episodes_stepwise
+    from pretrainer.analysis.replay import spike_episodes, spike_episodes_stepwise
 
     losses = rough_curve(6000, seed)
     graces = [20, 3000]
@@ -177,8 +177,8 @@ def test_fast_replay_decides_as_the_live_detector_step_by_step(seed):
 
 
 def test_batched_trend_fit_is_the_live_fit():
-    from pretrainer.train.spike_replay import batched_trend_fit
-    from pretrainer.train.spikes import trend_fit
+    from pretrainer.analysis.replay import batched_trend_fit
+    from pretrainer.stability.spikes import trend_fit
 
     rng = np.random.default_rng(0)
     steps = np.sort(rng.choice(np.arange(10_000), (64, 100)), axis=1).astype(float) + np.arange(100)  # rising
@@ -193,9 +193,9 @@ def test_batched_trend_fit_is_the_live_fit():
 def test_a_table_row_judges_a_later_step_as_the_live_fit_does():
     """With suspects pending, the replay judges the next steps with the window's fit at a later step: the scale
     there is the live fit's, for windows of consecutive steps and with a gap."""
+    from pretrainer.analysis.replay import _Replay, _Table
     from pretrainer.recipe.sections import SpikesSection
-    from pretrainer.train.spike_replay import _Replay, _Table
-    from pretrainer.train.spikes import trend_fit
+    from pretrainer.stability.spikes import trend_fit
 
     rng = np.random.default_rng(1)
     steps = np.arange(400.0)
@@ -221,12 +221,12 @@ def test_a_table_row_judges_a_later_step_as_the_live_fit_does():
 def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
     """The detector's defaults are the recipe's; check_run replays with the run's own `spikes` section (read from
     its resolved recipe), so a run that raised its threshold is judged offline by that threshold, as live."""
-    from pretrainer.observe.health import spike_rule
+    from pretrainer.analysis.health import spike_rule
+    from pretrainer.analysis.replay import spike_episodes, spike_episodes_stepwise
     from pretrainer.recipe.sections import SpikesSection
-    from pretrainer.train.decisions import OK
-    from pretrainer.train.recovery import SpikeHandler
-    from pretrainer.train.spike_replay import spike_episodes, spike_episodes_stepwise
-    from pretrainer.train.spikes import SpikeDetector
+    from pretrainer.stability.decisions import OK
+    from pretrainer.stability.recovery import SpikeHandler
+    from pretrainer.stability.spikes import SpikeDetector
 
     d, s = SpikeDetector(), SpikesSection()
     assert (d.window, d.threshold, d.persistence, d.min_history, d.grace_steps) == (
@@ -258,7 +258,7 @@ def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
 
 def test_eval_lines_found_across_chunk_boundaries(tmp_path, monkeypatch):
     """The byte search for eval lines: `val/` and `eval/` keys, lines cut by the read's chunks, a torn last line."""
-    from pretrainer.observe import health
+    from pretrainer.analysis import health
 
     rows = []
     for step in range(1, 400):

@@ -6,6 +6,25 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pretrainer"
 
+LEAVES = {"errors", "files", "runtime", "faults", "stats", "strict"}
+"""Cross-cutting modules at the top of the package; they import no subpackage."""
+RANKS = {
+    **dict.fromkeys(LEAVES, 0),
+    "model": 1,
+    "recipe": 2,
+    "data": 3,
+    "observe": 4,
+    "checkpoint": 5,
+    "evaluation": 6,
+    "stability": 7,
+    "analysis": 8,
+    "train": 9,
+    "publishing": 10,
+    "cli": 11,
+}
+"""The packages bottom-up (docs/ARCHITECTURE.md): each imports only those ranked below it, so the judgement
+(`stability`, `analysis`) never reaches into the loop and storage never into policy."""
+
 
 def modules() -> dict[str, ast.Module]:
     out = {}
@@ -27,13 +46,13 @@ def resolve(module: str, node: ast.ImportFrom, is_pkg: bool) -> str:
 def test_layout_shows_the_architecture():
     """Subpackages by concern, each saying what it holds; only cross-cutting leaves at the top."""
     packages = {p.parent.name for p in SRC.glob("*/__init__.py")}
-    assert packages == {"recipe", "train", "checkpoint", "data", "evaluation", "observe", "model"}, packages
+    assert packages == set(RANKS) - LEAVES - {"cli"}, packages
     for pkg in packages:
         assert ast.get_docstring(ast.parse((SRC / pkg / "__init__.py").read_text())), (
             f"{pkg}/__init__.py: no docstring"
         )
     top = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
-    assert top <= {"errors", "cli", "faults", "files", "runtime"}, f"modules at the top: {sorted(top)}"
+    assert top <= LEAVES | {"cli"}, f"modules at the top: {sorted(top)}"
 
 
 def test_modules_are_formatted_honestly():
@@ -103,3 +122,28 @@ def test_no_private_imports_and_no_cycles():
     for m in mods:
         if m not in state:
             visit(m, [m])
+
+
+def package_of(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_packages_import_only_packages_below_them():
+    """The rank table holds at run time (imports under TYPE_CHECKING included: a type from above is a dependency
+    too); a package cycle is an import of a package ranked at or above the importer."""
+    upward = []
+    for name, (path, tree) in modules().items():
+        own = package_of(name)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = resolve(name, node, path.name == "__init__.py")
+            if not target.startswith("pretrainer"):
+                continue
+            targets = [target] if target != "pretrainer" else [f"pretrainer.{a.name}" for a in node.names]
+            for t in targets:
+                other = package_of(t)
+                if other != own and RANKS[other] >= RANKS[own]:
+                    upward.append(f"{path.relative_to(SRC)}:{node.lineno}: {own} imports {other}")
+    assert not upward, "\n".join(upward)
+    assert set(RANKS) == {package_of(m) for m in modules()}, "a package or leaf missing from RANKS"

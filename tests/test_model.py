@@ -3,7 +3,7 @@ import torch
 
 from pretrainer.errors import RecipeError
 from pretrainer.model.build import build_config, build_model, count_params
-from pretrainer.recipe.sections import ModelSection
+from pretrainer.model.section import ModelSection
 
 CFG = dict(
     model_type="llama",

@@ -16,9 +16,9 @@ from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import OptimizerSection
 from pretrainer.train.build import build
-from pretrainer.train.ds_muon import build_deepspeed_muon
+from pretrainer.train.engines.deepspeed_muon import build_deepspeed_muon
+from pretrainer.train.measures.probe import OptimizerProbe
 from pretrainer.train.optim import MuonAdamW, build_optimizer, split_for_muon
-from pretrainer.train.probe import OptimizerProbe
 
 ROOT = Path(__file__).resolve().parents[1]
 MUON = ["--set", "optimizer.type=muon"]  # for run_recipe.main

@@ -12,13 +12,13 @@ from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer import checkpoint as ck
+from pretrainer.analysis.health import HealthMonitor, report
 from pretrainer.checkpoint import CheckpointManager
 from pretrainer.checkpoint import format as ckformat
-from pretrainer.observe.health import HealthMonitor, report
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import CheckpointSection, SpikesSection
-from pretrainer.train.decisions import Abort, Ok, Rollback
-from pretrainer.train.recovery import LEDGER, SpikeHandler, write_ledger
+from pretrainer.stability.decisions import Abort, Ok, Rollback
+from pretrainer.stability.recovery import LEDGER, SpikeHandler, write_ledger
 from pretrainer.train.resume import check_compatible, choose_checkpoint
 from pretrainer.train.saving import SaveClock
 from pretrainer.train.state import Parts, RunState

@@ -94,8 +94,8 @@ def test_publish_uploads_final_with_a_card_when_the_run_ends(micro_recipe, tmp_p
         in (out / "final" / "README.md").read_text()
     )
 
-    from pretrainer.checkpoint.publish import push_to_hub
     from pretrainer.errors import PretrainerError
+    from pretrainer.publishing.hub import push_to_hub
 
     with pytest.raises(PretrainerError, match="--push-to-hub me/down: 503 Service Unavailable"):
         push_to_hub(out / "final", "me/down")

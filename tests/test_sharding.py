@@ -10,10 +10,10 @@ import torch
 from conftest import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from pretrainer.analysis.summary import vocab_size_for
 from pretrainer.model.build import build_config, build_model, count_params, flops_per_token, non_embedding_params
 from pretrainer.model.shape import flops_per_token as shape_flops
 from pretrainer.model.shape import shape_of
-from pretrainer.observe.summary import vocab_size_for
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sharding import activation_bytes, best, footprints, sharding_findings
 

@@ -14,11 +14,11 @@ from conftest import FIXTURES
 from scipy.signal import lfilter
 
 from pretrainer import checkpoint as ck
+from pretrainer.analysis.replay import spike_episodes
 from pretrainer.observe.tracking import read_jsonl
-from pretrainer.train import spikes
-from pretrainer.train.recovery import measured_outliers
-from pretrainer.train.spike_replay import spike_episodes
-from pretrainer.train.spikes import SpikeDetector, inflation, sample_ranges, trend_fit
+from pretrainer.stability import spikes
+from pretrainer.stability.recovery import measured_outliers
+from pretrainer.stability.spikes import SpikeDetector, inflation, sample_ranges, trend_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -402,7 +402,7 @@ def test_a_trend_from_a_few_dozen_steps_does_not_read_its_own_error_as_spikes(mo
 def test_second_differences_leave_out_a_changing_slope():
     """`diff_scatter` is the noise of one point: of pure noise by either order; through a curve whose slope changes
     (a loss curve's fall, sampled sparsely) successive differences count the change as noise, second ones do not."""
-    from pretrainer.train.spikes import diff_scatter
+    from pretrainer.stats import diff_scatter
 
     noise = 0.5 * np.random.default_rng(0).standard_normal(2000)
     assert diff_scatter(noise) == pytest.approx(0.5, rel=0.06)

@@ -13,8 +13,8 @@ from pretrainer.model.build import OUTPUT_PROJECTIONS, decoder_layers, scale_out
 from pretrainer.model.losses import ZLossLM
 from pretrainer.observe.tracking import read_jsonl
 from pretrainer.recipe.stability import SkipStepSection
-from pretrainer.train.layers import LayerStats
-from pretrainer.train.skip_step import SkipStep
+from pretrainer.stability.skip_step import SkipStep
+from pretrainer.train.measures.layers import LayerStats
 
 FAULT = "debug.inject.grad_scale={step: 72, factor: 1000}"
 """A x1000 gradient at step 72: after the 64 steps of history skip-step needs before it judges."""
@@ -293,7 +293,7 @@ def test_z_loss_with_liger_kernels_is_refused_in_one_line():
 
 
 def test_check_run_reports_the_tokens_each_tier_cost():
-    from pretrainer.observe.health import format_report, ladder
+    from pretrainer.analysis.health import format_report, ladder
 
     events = [
         {"event": "skipped_update", "step": 100, "tokens": 1024},

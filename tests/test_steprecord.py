@@ -2,11 +2,11 @@
 
 import numpy as np
 
+from pretrainer.analysis.replay import lived_episodes, spike_episodes, spike_episodes_stepwise, timeline
 from pretrainer.observe.steprecord import StepRecorder, read_record
 from pretrainer.recipe.sections import SpikesSection
-from pretrainer.train.skip_step import Observed
-from pretrainer.train.spike_replay import lived_episodes, spike_episodes, spike_episodes_stepwise, timeline
-from pretrainer.train.spikes import SpikeDetector
+from pretrainer.stability.skip_step import Observed
+from pretrainer.stability.spikes import SpikeDetector
 
 
 def _curve(n: int, seed: int = 0, bump_at: int | None = None) -> np.ndarray:

@@ -13,7 +13,8 @@ resumed from. All state is read from `meta.json`, never parsed out of directory 
 - `dcp`: FSDP2 shards through torch.distributed.checkpoint, asynchronous, resharded on load;
 - `loading`: loading on any world size (DeepSpeed through its universal checkpoint);
 - `remote`: the background copy at an fsspec URL, its retention, the fetch for a replaced node;
-- `manager`: triggers, save, prune, protection, resume and restore.
+- `manager`: triggers, save, prune, protection, resume and restore;
+- `export`: `final/` as `save_pretrained` files with their provenance (the Hub upload is in `publishing/`).
 """
 
 import importlib

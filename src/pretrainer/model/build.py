@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError, first_line
-from ..recipe.sections import ModelSection
+from .section import ModelSection
 
 if TYPE_CHECKING:
     import torch

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .eval_sections import Section
+from ..strict import Section
 
 
 class EmaSection(Section):

@@ -1,14 +1,11 @@
 """Typed recipe sections of evaluation: held-out loss, the fixed reference loss, loss by position, and downstream
-tasks through lm-evaluation-harness. (`Section`, the strict base of every section, lives here so sections.py can
-import it without a cycle.)"""
+tasks through lm-evaluation-harness."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+from ..strict import Section
 
 
 class ContextEvalSection(Section):
@@ -45,7 +42,7 @@ class LmEvalSection(Section):
 
 
 class ForecastSection(Section):
-    """The loss curve forecast from the LR schedule (observe/forecast.py), fitted on `val/ref` at every eval."""
+    """The loss curve forecast from the LR schedule (analysis/forecast.py), fitted on `val/ref` at every eval."""
 
     enabled: bool = True
     """Fit at each eval once there are 4 `val/ref` points; log `forecast/final` (+ `_lo`, `_hi`) and an event."""

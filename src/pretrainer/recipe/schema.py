@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from ..model.section import ModelSection
+from ..strict import Section
 from .averaging import AveragingSection
-from .eval_sections import EvalSection, Section
+from .eval_sections import EvalSection
 from .plan import RunPlan, build_plan
 from .sections import (
     BatchSection,
@@ -14,7 +16,6 @@ from .sections import (
     DataSection,
     DebugSection,
     LoggingSection,
-    ModelSection,
     OptimizerSection,
     PrecisionSection,
     PublishSection,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from .eval_sections import Section
+from ..strict import Section
 
 QK_NORM_TYPES = frozenset({"olmo2", "olmo3", "olmoe", "qwen3", "qwen3_moe", "gemma3_text"})
 """Hugging Face model types whose attention normalises q and k (RMSNorm) before the dot product."""

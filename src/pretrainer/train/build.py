@@ -24,7 +24,7 @@ from ..recipe.plan import RunPlan
 from ..recipe.schedules import lr_lambda
 from ..recipe.schema import Recipe
 from .accelerator import configure_deepspeed, weights_from_the_seed
-from .ds_muon import GradientFirst, build_deepspeed_muon, gathered, probe_items
+from .engines.deepspeed_muon import GradientFirst, build_deepspeed_muon, gathered, probe_items
 from .optim import Assignment, build_optimizer
 
 

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+from ..analysis.health import HealthMonitor
+from ..analysis.outlook import Forecaster
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator
 from ..observe import events as ev
-from ..observe.health import HealthMonitor
-from ..observe.outlook import Forecaster
 from .averaging import WeightAverage
 
 

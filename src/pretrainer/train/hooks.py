@@ -19,10 +19,10 @@ import torch
 
 from ..model.losses import ZLossLM
 from ..observe import events as ev
-from .gns import GradientNoise
 from .inject import StepFaults
-from .layers import LayerStats
-from .probe import OptimizerProbe
+from .measures.layers import LayerStats
+from .measures.noise_scale import GradientNoise
+from .measures.probe import OptimizerProbe
 
 
 class StepHook:

@@ -12,7 +12,7 @@ from ..checkpoint.identity import check_resume
 from ..errors import PretrainerError
 from ..observe import events as ev
 from ..recipe.loading import training_diff
-from .recovery import episode_target
+from ..stability.recovery import episode_target
 
 
 def choose_checkpoint(store: CheckpointManager, spec: str, ledger: dict | None) -> Path | None:

@@ -14,9 +14,9 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..model.masking import Inputs, forward_of, plain_inputs
-from .ds_gate import DeepSpeedGate
+from ..stability.skip_step import Observed, Skipped, SkipStep
+from .engines.deepspeed_gate import DeepSpeedGate
 from .hooks import StepHook
-from .skip_step import Observed, Skipped, SkipStep
 
 
 @dataclass(frozen=True)

@@ -4,28 +4,25 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from accelerate.utils import DistributedType
 
+from ..analysis.health import HealthMonitor
+from ..analysis.outlook import Forecaster
 from ..checkpoint import NOTHING, CheckpointManager, Restored
 from ..checkpoint.export import save_final
-from ..checkpoint.publish import push_to_hub
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
-from ..errors import PretrainerError
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
 from ..model.build import flops_per_token
 from ..model.masking import model_inputs
 from ..observe import events as ev
-from ..observe.console import Progress, announce, end_block, quiet_bars_in_files, start_block
-from ..observe.health import HealthMonitor
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
-from ..observe.outlook import Forecaster
 from ..observe.steprecord import StepRecorder
 from ..observe.tracking import RunLog, alert, quiet_known_noise
 from ..observe.wandb_history import init_trackers
@@ -33,22 +30,23 @@ from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
 from ..runtime import fp8_capable
+from ..stability.decisions import OK, Abort, Decision, Ok
+from ..stability.recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
+from ..stability.skip_step import SkipStep
 from .accelerator import launch_findings, make_accelerator
 from .averaging import WeightAverage
 from .build import build
-from .decisions import OK, Abort, Decision, Ok
+from .console import Progress, announce, end_block, quiet_bars_in_files, start_block
 from .evals import EvalRound
-from .gns import noise_scale_for
 from .hooks import FaultHook, LayerHook, NoiseHook, ProbeHook, StepHook, ZLossHook
 from .inject import StepFaults, stage_batches, wants_step_faults
-from .layers import layer_stats_for
+from .measures.layers import layer_stats_for
+from .measures.noise_scale import noise_scale_for
+from .measures.probe import OptimizerProbe
 from .preemption import Preempted, PreemptFlag
-from .probe import OptimizerProbe
-from .recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
 from .resume import check_compatible, check_data, choose_checkpoint
 from .rundir import RunDir
 from .saving import SaveClock
-from .skip_step import SkipStep
 from .startup import run_identity
 from .state import Parts, RunState
 from .step import StepOutcome, StepRunner
@@ -230,15 +228,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def train(self) -> dict[str, float]:
+    def train(self, after: Callable[[Path, RunLog, int], None] | None = None) -> dict[str, float]:
         """Train through every stage (resuming if asked), checkpointing and evaluating, then export `final/`.
-        Returns the last logged metrics; raises Preempted (after a checkpoint) on SIGTERM/SIGINT."""
+        Returns the last logged metrics; raises Preempted (after a checkpoint) on SIGTERM/SIGINT.
+
+        Args:
+            after: called on the main process with (run directory, run log, last step) once `final/` is saved,
+                while the run directory is still held: the script's publishing (`publishing.hub.publish_run`).
+        """
         with self.rundir.released_after():
             for _ in self.steps():
                 pass
             self.save_final()
             self.log.event(ev.RUN_END, self.state.step, tokens=self.state.tokens)
-            self.publish()
+            if after is not None and self.accelerator.is_main_process:
+                after(self.output_dir, self.log, self.state.step)
         self.accelerator.end_training()
         if self.health is not None:
             h, trackers = self.health, self.recipe.logging.report_to
@@ -538,25 +542,6 @@ class Trainer:
         if layer_vectors is not None:
             self.log.side("layers.jsonl", {"step": st.step, **layer_vectors})
         return record
-
-    def publish(self) -> None:
-        """`publish.repo`: upload `final/` (and `merged/`) with a model card (main process). A failed upload is an
-        event and a line, not a failed run: the model is saved, and `export_checkpoint.py --push-to-hub` retries."""
-        cfg = self.recipe.publish
-        if cfg.repo is None or not self.accelerator.is_main_process:
-            return
-        targets = [(self.output_dir / "final", cfg.repo)]
-        if cfg.merged and (self.output_dir / "merged").is_dir():
-            targets.append((self.output_dir / "merged", f"{cfg.repo}-merged"))
-        for path, repo in targets:
-            try:
-                url = push_to_hub(path, repo, private=cfg.private, run_dir=self.output_dir)
-            except PretrainerError as e:
-                self.log.event(ev.PUBLISH_FAILED, self.state.step, repo=repo, path=str(path), error=str(e))
-                print(f"warning: publish: {e}; {path} is saved", file=sys.stderr)
-                continue
-            self.log.event(ev.PUBLISHED, self.state.step, repo=repo, path=str(path), url=url)
-            print(f"published: {path} -> {url}", flush=True)
 
     def save_final(self) -> Path:
         """The run's models at its end: `final/` (save_pretrained model and tokenizer, loadable by

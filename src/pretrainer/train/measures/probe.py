@@ -17,8 +17,8 @@ import contextlib
 
 import torch
 
-from ..errors import PretrainerError
-from ..runtime import innermost_optimizer
+from ...errors import PretrainerError
+from ...runtime import innermost_optimizer
 
 MAX_ORTHO_ERR = 0.5
 SAMPLES = 4

@@ -13,8 +13,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..checkpoint import list_checkpoints
+from ..observe import events as ev
 from ..recipe.loading import dump_recipe
-from . import events as ev
 
 
 def announce(recipe, output_dir: Path, findings: list) -> None:

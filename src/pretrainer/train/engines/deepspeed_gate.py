@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..errors import RecipeError
+from ...errors import RecipeError
 
 
 class DeepSpeedGate:

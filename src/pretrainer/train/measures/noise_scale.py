@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from accelerate.utils import DistributedType
 
-from .ds_grads import SmallBatchNorm
+from ..engines.deepspeed_grads import SmallBatchNorm
 
 
 def gns_terms(b_small: float, b_big: float, sq_small: float, sq_big: float) -> tuple[float, float]:

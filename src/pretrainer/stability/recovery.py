@@ -38,8 +38,9 @@ from ..errors import PretrainerError
 from ..files import atomic_write_json, read_json
 from ..observe import events as ev
 from ..recipe.sections import SpikesSection
+from ..stats import MAD_TO_SD
 from .decisions import OK, Abort, Decision, Rollback
-from .spikes import MAD_TO_SD, SpikeDetector, sample_ranges
+from .spikes import SpikeDetector, sample_ranges
 
 SPIKE_ABORT_EXIT = 76
 LEDGER = "skip_ledger.json"

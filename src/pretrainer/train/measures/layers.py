@@ -24,8 +24,8 @@ from functools import partial
 import torch
 from accelerate.utils import DistributedType
 
-from ..model.build import decoder_layers
-from .ds_grads import PartitionLayerGrads
+from ...model.build import decoder_layers
+from ..engines.deepspeed_grads import PartitionLayerGrads
 
 SAMPLE = 256
 """Entries sampled per matrix for the update size."""

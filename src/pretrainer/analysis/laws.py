@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import least_squares
 
+from ..stats import MAD_TO_SD
+
 LAMBDAS = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 """The annealing law's delay factors (the paper's default is 0.999 at ~10^4-10^5 steps)."""
 MPL_BINS = 48
@@ -384,10 +386,10 @@ def _offset_index(series: list[Series], i: int) -> int | None:
 def _curve_sd(r: np.ndarray, which: np.ndarray, n: int) -> np.ndarray:
     """Each curve's robust residual sd (MAD), shrunk towards the pooled one by 4 points' worth: a curve of two
     points has no noise estimate of its own."""
-    pooled = max(1.4826 * float(np.median(np.abs(r))), 1e-6)
+    pooled = max(MAD_TO_SD * float(np.median(np.abs(r))), 1e-6)
     out = np.empty(n)
     for i in range(n):
         ri = r[which == i]
-        own = 1.4826 * float(np.median(np.abs(ri))) if len(ri) else pooled
+        own = MAD_TO_SD * float(np.median(np.abs(ri))) if len(ri) else pooled
         out[i] = max(np.sqrt((len(ri) * own**2 + 4 * pooled**2) / (len(ri) + 4)), 1e-6)
     return out

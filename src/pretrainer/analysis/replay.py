@@ -27,15 +27,14 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..recipe.sections import SpikesSection
-from .spikes import (
-    MAD_TO_SD,
+from ..stability.spikes import (
     SpikeDetector,
     excess_from_sums,
     excess_leverage,
     inflation,
     lag1_of,
-    tail_sd,
 )
+from ..stats import MAD_TO_SD, tail_sd
 
 CHUNK = 32768
 """Most windows fitted per batch: ~26 MB per array at the default window of 100."""
@@ -118,7 +117,7 @@ def batched_trend_fit(steps: np.ndarray, losses: np.ndarray, at: np.ndarray, per
             np.subtract(y, resid, out=resid)
         else:
             resid = y - (coef[:, :1] + u * (coef[:, 1:2] + u * coef[:, 2:]))
-        dev = np.abs(resid)  # `spikes.robust_sd`: around 0
+        dev = np.abs(resid)  # `stats.robust_sd`: around 0
         dev.sort(axis=1)  # in place: `dev` is this call's own
         return coef, resid, MAD_TO_SD * _sorted_median(dev), tail_sd(dev), sums
 

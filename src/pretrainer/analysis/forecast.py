@@ -1,4 +1,4 @@
-"""Forecast the loss curve from the learning-rate schedule: three laws (observe/laws.py: the stable-phase power
+"""Forecast the loss curve from the learning-rate schedule: three laws (analysis/laws.py: the stable-phase power
 law, the LR-annealing law of Tissue et al. 2024, the multi-power law of Luo et al. 2025), the one that predicted this
 run best chosen by rolling-origin validation, and a band built from those validation errors.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..train.spikes import diff_scatter
+from ..stats import diff_scatter
 from .laws import LAWS, Basis, LawFit, Series, basis, fit_law
 
 Z90 = 1.645
@@ -337,7 +337,7 @@ def fit(curves: list[Curve], *, max_points: int = MAX_POINTS, laws: tuple[str, .
 
 
 def scatter(loss: np.ndarray) -> float | None:
-    """The noise of one observation (`spikes.diff_scatter` of second differences; None under 4 points). Unlike the
+    """The noise of one observation (`stats.diff_scatter` of second differences; None under 4 points). Unlike the
     fit's residual sd it holds no misfit of the law, which the band counts apart (the validation spread); unlike
     successive differences, no change of slope between evals far apart (the micro runs' val/ref every 20 steps
     through their fall read a median 1.2x the noise that way)."""

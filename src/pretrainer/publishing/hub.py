@@ -10,14 +10,18 @@ updates skipped), each read from the run directory, none typed by hand. The uplo
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from ..analysis.health import load_run, report
+from ..checkpoint.identity import PROVENANCE
 from ..errors import PretrainerError
-from ..observe.health import load_run, report
-from .identity import PROVENANCE
+from ..observe import events as ev
+from ..observe.tracking import RunLog
+from ..recipe.sections import PublishSection
 
 CARD = "README.md"
 
@@ -126,3 +130,23 @@ def push_to_hub(model_dir: str | Path, repo_id: str, private: bool = True, run_d
     except (HfHubHTTPError, OSError) as e:
         raise PretrainerError(f"--push-to-hub {repo_id}: {str(e).splitlines()[0]}") from None
     return str(getattr(info, "commit_url", info))
+
+
+def publish_run(cfg: PublishSection, run_dir: Path, log: RunLog, step: int) -> None:
+    """`publish.repo`: upload the run's `final/` (and `merged/`) with a model card, once the run has saved them (the
+    main process, `run_recipe.py` through `Trainer.train(after=...)`). A failed upload is an event and a line, not a
+    failed run: the model is saved, and `export_checkpoint.py --push-to-hub` retries."""
+    if cfg.repo is None:
+        return
+    targets = [(run_dir / "final", cfg.repo)]
+    if cfg.merged and (run_dir / "merged").is_dir():
+        targets.append((run_dir / "merged", f"{cfg.repo}-merged"))
+    for path, repo in targets:
+        try:
+            url = push_to_hub(path, repo, private=cfg.private, run_dir=run_dir)
+        except PretrainerError as e:
+            log.event(ev.PUBLISH_FAILED, step, repo=repo, path=str(path), error=str(e))
+            print(f"warning: publish: {e}; {path} is saved", file=sys.stderr)
+            continue
+        log.event(ev.PUBLISHED, step, repo=repo, path=str(path), url=url)
+        print(f"published: {path} -> {url}", flush=True)

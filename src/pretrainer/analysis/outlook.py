@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..observe import events as ev
 from ..recipe.loading import load_recipe
 from ..recipe.schedules import cosine_array, lr_array, wsd_array
 from ..recipe.schema import Recipe
-from . import events as ev
 from .forecast import Curve, Fit, fit, off_track, predict
 from .health import load_run, val_of
 

@@ -10,7 +10,7 @@ a paired bootstrap over those batches (every branch resampled with the same draw
 noise, not the noise of the branches' own training (the same data in another order); one more seed of branches
 measures that, at the cost of the branches again.
 
-Pure functions of the losses; `train/critical_batch.py` trains the branches.
+Pure functions of the losses; `train/batch_branches.py` trains the branches.
 """
 
 from __future__ import annotations

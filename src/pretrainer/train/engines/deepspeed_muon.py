@@ -37,10 +37,10 @@ import math
 
 import torch
 
-from ..errors import PretrainerError
-from ..recipe.sections import OptimizerSection
-from .ds_grads import clip_scale
-from .optim import Assignment, split_for_muon
+from ...errors import PretrainerError
+from ...recipe.sections import OptimizerSection
+from ..optim import Assignment, split_for_muon
+from .deepspeed_grads import clip_scale
 
 NS_STEPS = 5  # DeepSpeed's muon_update is called without ns_steps or nesterov: 5 steps, Nesterov momentum
 

@@ -10,9 +10,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..observe import events as ev  # noqa: E402
 from ..recipe.schedules import lr_lambda  # noqa: E402
 from ..recipe.schema import Recipe  # noqa: E402
-from . import events as ev  # noqa: E402
 from .health import as_float, load_run  # noqa: E402
 
 

@@ -21,13 +21,13 @@ import yaml
 
 from .. import checkpoint as ck
 from ..evaluation.context import context_verdict
+from ..observe import events as ev
+from ..observe.steprecord import Record, read_record
+from ..observe.tracking import read_jsonl
 from ..recipe.sections import SpikesSection
-from ..train.spike_replay import lived_episodes, spike_episodes, timeline
-from ..train.spikes import diff_scatter
-from . import events as ev
-from .cbs import measured_lines, read_results
-from .steprecord import Record, read_record
-from .tracking import read_jsonl
+from ..stats import diff_scatter
+from .critical_batch import measured_lines, read_results
+from .replay import lived_episodes, spike_episodes, timeline
 
 DIVERGE_RATIO = 0.10
 """Smoothed loss this far (relative) above its best window is diverging."""

@@ -2,7 +2,7 @@
 
 Each branch is its own run directory (`<out>/x<k>`, like `--branch-decay-from`): the parent's recipe with the batch
 `k` times the checkpoint's from that step on (recipe/stages.py `branch_batch_recipe`), resumed from the checkpoint,
-trained for the same tokens, then evaluated on the fixed `val/ref` batches. observe/cbs.py turns the paired losses
+trained for the same tokens, then evaluated on the fixed `val/ref` batches. analysis/critical_batch.py turns the paired losses
 into the estimate; the result is written beside the branches and appended to the parent run's
 `critical_batch.jsonl`, which `check_run.py` reports next to the logged noise scale.
 
@@ -16,9 +16,9 @@ import json
 import math
 from pathlib import Path
 
+from ..analysis.critical_batch import RESULTS, TOLERANCE, estimate, schedule_line, suggested_size
 from ..checkpoint import read_meta
 from ..errors import RecipeError
-from ..observe.cbs import RESULTS, TOLERANCE, estimate, schedule_line, suggested_size
 from ..recipe.schema import Recipe
 from ..recipe.stages import BATCH_BRANCH_CHANGES, branch_batch_recipe
 from .trainer import Trainer
