@@ -240,11 +240,11 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
         found.append(max_step)
         return Path("/ckpts/step_00000010") if max_step >= 10 else None
 
-    def sample_losses(stage, cursor, skips, step):  # 8 samples per step; the poisoned ones stand out
-        idx = list(range(cursor, cursor + 8))
+    def sample_losses(at):  # the loop's measurement: 8 samples per step; the poisoned ones stand out
+        idx = list(range(at.cursor, at.cursor + 8))
         return idx, [9.0 if i in poisoned else 3.0 + 0.01 * (i % 3) for i in idx]
 
-    h = SpikeHandler(SpikesSection(), find_target, sample_losses, log, lambda *a: None)
+    h = SpikeHandler(SpikesSection(), find_target, log, lambda *a: None)
     h.start_grace(0)
     rng = np.random.default_rng(0)
 
@@ -261,12 +261,15 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
     # confirmed, roll back to the only checkpoint before it, which is then protected by name
     assert run(1, 151, spiky={151}) == (None, None) and h.protected() == ck.Protected(before=149)
     step, d = run(152, 200, spiky={152, 153})
-    assert step == 153 and d == Rollback(Path("/ckpts/step_00000010"), 153, (151, 153))
+    assert step == 153 and isinstance(d, Rollback) and (d.target, d.step) == (Path("/ckpts/step_00000010"), 153)
+    assert (d.blame.first, d.blame.last) == (151, 153)
+    # what to measure: the spike's 3 steps and the 8 before it, each with what rebuilds its batches
+    assert [at.step for at in d.blame.steps] == list(range(143, 154)) and d.blame.steps[-1] == (153, 0, 152 * 8)
     assert h.protected().names == {"step_00000010"}
     assert log.kinds().count("spike") == 1
     # the loop restores the target and rewinds the parts (the detector's trend comes back, the episode stays
-    # open), then asks which samples of steps 151-153 to skip, measured against the 8 steps before under the
-    # restored weights: step 151's batch starts at sample 1200; 1204..1207 were poisoned
+    # open), then measures the samples of steps 151-153 and the 8 steps before under the restored weights and
+    # asks which to skip: step 151's batch starts at sample 1200; 1204..1207 were poisoned
     healthy = {
         "history": [[s, 3.0 + 0.01 * rng.standard_normal()] for s in range(51, 151)],
         "grace_until": 0,
@@ -274,7 +277,8 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
     }
     h.rewind({"detector": healthy, "pending": None, "rollbacks": []})
     assert h.pending is not None and h.rollback_steps == [153]
-    assert h.blame_restored(151, 153, skips=[]) == [(0, 1204, 1207)]
+    assert h.blame(d.blame, {at.step: sample_losses(at) for at in d.blame.steps}) == [(0, 1204, 1207)]
+    assert h.pending.blamed is True and h.pending.end == 153
     skip = [e for k, _, e in log.events if k == "skip"][0]
     assert skip["blame"] == "samples" and skip["evidence"]["outliers"] == 4
     assert skip["evidence"]["reference_samples"] == 8 * 8  # the 8 steps before the onset, 8 samples each
@@ -292,11 +296,11 @@ def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
     and a later rollback to before it does not act on it again."""
     log, rng = Log(), np.random.default_rng(1)
 
-    def sample_losses(stage, cursor, skips, step):
-        idx = list(range(cursor, cursor + 8))
+    def sample_losses(at):
+        idx = list(range(at.cursor, at.cursor + 8))
         return idx, [3.0 + 0.05 * rng.standard_normal() for _ in idx]
 
-    h = SpikeHandler(SpikesSection(), lambda m: Path("/ckpts/step_00000010"), sample_losses, log, lambda *a: None)
+    h = SpikeHandler(SpikesSection(), lambda m: Path("/ckpts/step_00000010"), log, lambda *a: None)
     h.start_grace(0)
     curve = {s: 3.0 + 0.01 * np.sin(s) + (0.2 if s in (151, 152, 153) else 0.0) for s in range(1, 200)}
 
@@ -310,9 +314,9 @@ def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
 
     state = h.detector.state_dict()
     step, d = run(1, 153)
-    assert isinstance(d, Rollback) and d.blame == (151, 153)
+    assert isinstance(d, Rollback) and (d.blame.first, d.blame.last) == (151, 153)
     h.rewind({"detector": state})
-    assert h.blame_restored(*d.blame, skips=[]) == [] and "skip" not in log.kinds()
+    assert h.blame(d.blame, {at.step: sample_losses(at) for at in d.blame.steps}) == [] and "skip" not in log.kinds()
     h.detector.load_state_dict(state)
     assert run(1, 199) == (None, None)  # the replay: the same spike, accepted
     assert log.kinds().count("recurred") == 1 and h.pending is None and h.recurred == [151]
@@ -321,11 +325,11 @@ def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
 
 
 def test_spike_handler_aborts_past_the_rollback_limit_and_without_a_target():
-    h = SpikeHandler(SpikesSection(max_rollbacks=1), lambda m: Path("/c/step_00000001"), None, Log(), print)
+    h = SpikeHandler(SpikesSection(max_rollbacks=1), lambda m: Path("/c/step_00000001"), Log(), print)
     h.rollback_steps = [100]
-    d = h._rollback(Path("/c/step_00000001"), 150, ())
+    d = h._rollback(Path("/c/step_00000001"), 150, 149)
     assert isinstance(d, Abort) and d.exit_code == 76 and "1 rollbacks within 1000 steps" in d.message
-    h = SpikeHandler(SpikesSection(), lambda m: None, None, Log(), lambda *a: None)
+    h = SpikeHandler(SpikesSection(), lambda m: None, Log(), lambda *a: None)
     h.detector.start_grace(0)
     d = h.after_step(30, float("nan"), 1.0)
     assert isinstance(d, Abort) and "no checkpoint from before step 29" in d.message

@@ -6,9 +6,10 @@ loop performs it.
    update (the update just before the first bad loss may itself be the cause), that verifies, and whose recorded
    losses were finite. It is protected from pruning until the episode ends (`protected()`), and so is the candidate
    of a run of suspect steps that may yet become a spike.
-2. Blame, under the pre-spike weights: once the loop has restored the target, the spike's samples are re-run
-   without gradients beside the samples of the steps before it (`blame_restored`); samples that are measured
-   outliers against those (and explain the spike) go to the skip ledger (plus `skip_margin`) before the replay.
+2. Blame, under the pre-spike weights: the `Rollback` names the steps to measure (`Measure`: the spike's and the
+   steps before it); once the loop has restored the target it re-runs their samples without gradients and hands
+   the losses to `blame`; samples that are measured outliers against the earlier steps' (and explain the spike) go
+   to the skip ledger (plus `skip_margin`) before the replay.
    A data skip is permanent, so it needs that evidence; a recurrence alone is none (the replay is exact: a
    healthy run's noise excursion recurs to the last digit).
 3. Replay. When nothing was blamed and the spike comes back on the same steps: a `recurred` event, the episode
@@ -19,9 +20,9 @@ loop performs it.
 6. A spike whose every update skip-step held back (fewer than `persistence` in a row) never reached the weights:
    `absorbed`, no rollback.
 
-The handler sees the rest of the run through two read-only queries: `find_target(max_step)` (the newest good
-checkpoint at or before a step) and `sample_losses` (the per-sample losses of a past step's batches, rebuilt from its
-stage and data cursor).
+The handler sees the rest of the run through one read-only query, `find_target(max_step)` (the newest good checkpoint
+at or before a step); the per-sample losses it judges are measured by the loop and handed in. The open episode is one
+frozen `Episode`, replaced (never mutated) as it moves on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,7 +41,7 @@ from ..files import atomic_write_json, read_json
 from ..observe import events as ev
 from ..recipe.sections import SpikesSection
 from ..stats import MAD_TO_SD
-from .decisions import OK, Abort, Decision, Rollback
+from .decisions import OK, Abort, Decision, Measure, Rollback, StepAt
 from .spikes import SpikeDetector, sample_ranges
 
 SPIKE_ABORT_EXIT = 76
@@ -120,9 +122,45 @@ def measured_outliers(
     return bad, evidence
 
 
-SampleLosses = Callable[[int, int, list[tuple[int, int]]], tuple[list[int], list[float]]]
-"""(stage, cursor before the step, the stage's skips, the step) -> (the step's global sample indices, each one's
-loss)."""
+Measured = dict[int, tuple[list[int], list[float]]]
+"""The loop's measurement of a `Measure`: step -> (its global sample indices, each one's loss under the restored
+weights)."""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """An open spike episode: from its rollback until the replay stays healthy past it (`transient`), recurs on data
+    that measured clean (`recurred`), or is rolled back again. Kept in checkpoints and the skip ledger, so a process
+    killed during a replay resumes into it."""
+
+    onset: int
+    end: int
+    """The last step of the spike (moved on when blamed data were skipped and it came back)."""
+    target: str
+    """The checkpoint it rolled back to: protected from pruning while the episode is open."""
+    excess: float | None = None
+    """The spike's mean excess over its trend (inf for a non-finite loss); None in checkpoints that predate it."""
+    blamed: bool | None = None
+    """After the blame: whether samples were skipped (None: not measured yet)."""
+    evidence: dict | None = None
+    """The blame's evidence (for the `recurred` event)."""
+
+    def to_json(self) -> dict:
+        """The ledger's form: the keys a checkpoint written before this class had, `blamed` and `evidence` once
+        measured."""
+        out = {"onset": self.onset, "end": self.end, "target": self.target, "excess": self.excess}
+        if self.excess is None:
+            del out["excess"]
+        if self.blamed is not None:
+            out.update(blamed=self.blamed, evidence=self.evidence)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> Episode | None:
+        if not d:
+            return None
+        fields = ("onset", "end", "target", "excess", "blamed", "evidence")
+        return cls(**{k: d[k] for k in fields if k in d})
 
 
 def read_ledger(output_dir: Path) -> dict | None:
@@ -133,6 +171,29 @@ def write_ledger(output_dir: Path, skips: list[list[int]], handler_state: dict) 
     """skip_ledger.json in the run directory: the ledger plus the open episode, so a process killed during a replay
     resumes with both (checkpoints carry them too)."""
     atomic_write_json(Path(output_dir) / LEDGER, {"skips": skips, **handler_state})
+
+
+def blame_samples(measure: Measure, measured: Measured, margin: int) -> Blame:
+    """The samples to skip for a spike, with the evidence: every sample of the spike's steps scored against the
+    per-sample losses of the steps before it (`measure`'s reference). Blamed: the samples more than `BLAME_SIGMAS`
+    robust sd above the reference median and `BEYOND_REFERENCE` times as far as the reference's own most extreme
+    sample (non-finite ones always), and only when leaving them out takes at least half of the spike's excess over
+    the reference mean away (`measured_outliers`); each widened by `margin`. Otherwise nothing is blamed: the data of
+    those steps look like the data before them."""
+    samples, losses, ref = [], [], []
+    for at in measure.steps:
+        idx, per_sample = measured[at.step]
+        if at.step < measure.first:
+            ref += per_sample
+        else:
+            samples += [(at.stage, i) for i in idx]
+            losses += per_sample
+    bad, evidence = measured_outliers(losses, ref, measure.excess)
+    out = []
+    for stage in sorted({s for s, _ in samples}):
+        idx = [samples[k][1] for k in bad if samples[k][0] == stage]
+        out += [(stage, a, b) for a, b in sample_ranges(idx, margin)]
+    return Blame(out, "samples" if bad else "none", evidence)
 
 
 def episode_target(path: Path, step: int, ledger: dict | None, verify: Callable[[Path], list[str]]) -> Path:
@@ -149,14 +210,13 @@ class SpikeHandler:
         self,
         cfg: SpikesSection,
         find_target: Callable[[int], Path | None],
-        sample_losses: SampleLosses,
         log,
         alert: Callable[[str, str], None],
         leads: Callable[[int], dict | None] | None = None,
     ):
         """Args:
         leads: the layers that moved before a spike's onset (layer statistics), attached to the spike event."""
-        self.cfg, self.find_target, self.sample_losses = cfg, find_target, sample_losses
+        self.cfg, self.find_target = cfg, find_target
         self.leads = leads
         self.log, self.alert = log, alert
         self.detector = SpikeDetector.for_section(cfg)
@@ -164,7 +224,7 @@ class SpikeHandler:
         """(step, stage index, cursor before the step) of recent steps: enough to rebuild their batches."""
         self.held: deque[int] = deque(maxlen=cfg.persistence)
         """The latest steps whose update skip-step held back (tier 1), for `absorbed`."""
-        self.pending: dict | None = None
+        self.pending: Episode | None = None
         self.rollback_steps: list[int] = []
         self.recurred: list[int] = []
         """Onsets of spikes that recurred on the exact replay with no data to blame: history, kept across rollbacks,
@@ -183,19 +243,19 @@ class SpikeHandler:
     def protected(self) -> Protected:
         """What retention must keep: the open episode's rollback target, and while a run of suspect steps is open,
         the newest checkpoint from before its onset less one update (where a spike confirmed later rolls back to)."""
-        names = frozenset([Path(self.pending["target"]).name]) if self.pending else frozenset()
+        names = frozenset([Path(self.pending.target).name]) if self.pending else frozenset()
         suspect = self.detector.onset()
         return Protected(names, None if suspect is None else suspect - 2)
 
     def after_step(self, step: int, loss: float, grad_norm: float | None) -> Decision:
         """Judge a finished step (its loss averaged over ranks and its gradient norm, on the host). The data of a
-        spike are measured later, under the restored weights (`blame_restored`)."""
+        spike are measured later, under the restored weights (the `Rollback`'s `Measure`, then `blame`)."""
         d = self.detector.update(step, loss, grad_norm)
         if d.kind == "suspect":
             return OK
         if d.kind == "ok":
-            if self.pending and step >= self.pending["end"] + self.cfg.confirm_steps:
-                self.log.event(ev.TRANSIENT, step, onset=self.pending["onset"], end=self.pending["end"])
+            if self.pending and step >= self.pending.end + self.cfg.confirm_steps:
+                self.log.event(ev.TRANSIENT, step, onset=self.pending.onset, end=self.pending.end)
                 self.pending = None
             return OK
         if d.onset in self.recurred:  # judged already: the same steps, replayed exactly, with no data to blame
@@ -218,22 +278,22 @@ class SpikeHandler:
         excess = d.zscore * d.noise if d.noise is not None else math.inf
         evidence = {"zscore": d.zscore, "onset": d.onset, "reason": d.reason, "excess": excess}
         p = self.pending
-        if p and p["onset"] - self.cfg.persistence <= d.onset <= p["end"]:
-            if not p.get("blamed"):  # the data measured clean under the pre-spike weights, and it came back
-                self.log.event(ev.RECURRED, step, onset=d.onset, evidence=p.get("evidence"))
+        if p and p.onset - self.cfg.persistence <= d.onset <= p.end:
+            if not p.blamed:  # the data measured clean under the pre-spike weights, and it came back
+                self.log.event(ev.RECURRED, step, onset=d.onset, evidence=p.evidence)
                 self.pending = None
                 self.recurred.append(d.onset)
                 return OK
-            p["end"] = step  # blamed data were skipped and it came back: roll back and measure again
-            return self._rollback(Path(p["target"]), step, (d.onset, step), evidence)
+            self.pending = replace(p, end=step)  # blamed data were skipped and it came back: measure again
+            return self._rollback(Path(p.target), step, d.onset, evidence)
         target = self.find_target(d.onset - 2)
         if target is None:
             return Abort(
                 f"spike at step {step} ({d.reason}) and no checkpoint from before step {d.onset - 1}",
                 SPIKE_ABORT_EXIT,
             )
-        self.pending = {"onset": d.onset, "end": step, "target": str(target), "excess": excess}
-        return self._rollback(target, step, (d.onset, step), evidence)
+        self.pending = Episode(d.onset, step, str(target), excess)
+        return self._rollback(target, step, d.onset, evidence)
 
     def _absorbed(self, onset: int, step: int) -> bool:
         """Every step of the spike had its update held back by skip-step, and fewer than `persistence` updates in
@@ -242,30 +302,29 @@ class SpikeHandler:
         in_a_row = next(k for k in range(len(held) + 1) if step - k not in held)
         return all(s in held for s in range(onset, step + 1)) and in_a_row < self.cfg.persistence
 
-    def blame_restored(self, first_step: int, last_step: int, skips: list[list[int]]) -> list[tuple[int, int, int]]:
-        """After the loop restored the episode's target (the pre-spike weights): the samples of the spike's steps
-        that measure as outliers under those weights, to skip before the replay; logged as `skip` events with the
-        evidence. Nothing blamed: the replay runs on the same data, and if the spike comes back it is `recurred`
-        (the replay is exact, so a recurrence alone says nothing about the data)."""
-        excess = self.pending.get("excess") if self.pending is not None else None
-        blamed = self.blame(first_step, last_step, skips, excess)
+    def blame(self, measure: Measure, measured: Measured) -> list[tuple[int, int, int]]:
+        """After the loop restored the episode's target (the pre-spike weights) and measured `measure`'s steps under
+        them: the samples of the spike's steps that stand out, to skip before the replay; logged as `skip` events
+        with the evidence, and kept in the episode. Nothing blamed: the replay runs on the same data, and if the
+        spike comes back it is `recurred` (the replay is exact, so a recurrence alone says nothing about the
+        data)."""
+        blamed = blame_samples(measure, measured, self.cfg.skip_margin)
         for stage, a, b in blamed.ranges:
             self.log.event(
                 ev.SKIP,
-                last_step,
+                measure.last,
                 stage=stage,
                 first=a,
                 last=b,
-                onset=first_step,
+                onset=measure.first,
                 blame=blamed.by,
                 evidence=blamed.evidence,
             )
         if self.pending is not None:
-            self.pending["blamed"] = bool(blamed.ranges)
-            self.pending["evidence"] = blamed.evidence
+            self.pending = replace(self.pending, blamed=bool(blamed.ranges), evidence=blamed.evidence)
         return blamed.ranges
 
-    def _rollback(self, target: Path, step: int, blame: tuple[int, int], evidence: dict | None = None) -> Decision:
+    def _rollback(self, target: Path, step: int, onset: int, evidence: dict | None = None) -> Decision:
         recent = [s for s in self.rollback_steps if s > step - self.cfg.rollback_window]
         if len(recent) >= self.cfg.max_rollbacks:
             self.log.event(ev.ROLLBACK_LIMIT, step, rollbacks=len(recent), window=self.cfg.rollback_window)
@@ -275,63 +334,40 @@ class SpikeHandler:
                 SPIKE_ABORT_EXIT,
             )
         self.rollback_steps.append(step)
-        return Rollback(target, step, blame, evidence or {})
+        return Rollback(target, step, self.measure(onset, step), evidence or {})
 
     # ------------------------------------------------------------------ blame
 
-    def blame(
-        self, first_step: int, last_step: int, skips: list[list[int]], spike_excess: float | None = None
-    ) -> Blame:
-        """The samples to skip for a spike over steps `first_step..last_step`, with the evidence.
-
-        Every sample of the spike's steps is scored against the per-sample losses of up to `REFERENCE_STEPS` steps
-        before it in the same stage (the same weights: a sample's loss measured, not a step's replayed). Blamed:
-        the samples more than `BLAME_SIGMAS` robust sd above the reference median and `BEYOND_REFERENCE` times as far
-        as the reference's own most extreme sample (non-finite ones always), and only
-        when leaving them out takes at least half of the spike's excess over the reference mean away. Otherwise
-        nothing is blamed: the data of those steps look like the data before them.
-        """
+    def measure(self, first_step: int, last_step: int) -> Measure:
+        """What to measure for a spike over steps `first_step..last_step`: its steps, and up to `REFERENCE_STEPS`
+        steps before it in the same stage (the same weights: a sample's loss measured, not a step's replayed), each
+        with the stage and data cursor that rebuild its batches."""
         latest = {step: (stage, cursor) for step, stage, cursor in self.steps}  # a replayed step counts once
         suspect_stage = {stage for step, (stage, _) in latest.items() if first_step <= step <= last_step}
         refs = [s for s in sorted(latest) if s < first_step and latest[s][0] in suspect_stage][-REFERENCE_STEPS:]
-        samples, losses, ref = [], [], []
-        for step in sorted(latest):
-            stage, cursor = latest[step]
-            if first_step <= step <= last_step or step in refs:
-                stage_skips = [(a, b) for s, a, b in skips if s == stage]
-                idx, per_sample = self.sample_losses(stage, cursor, stage_skips, step)
-                if step in refs:
-                    ref += per_sample
-                else:
-                    samples += [(stage, i) for i in idx]
-                    losses += per_sample
-        bad, evidence = measured_outliers(losses, ref, spike_excess)
-        by = "samples" if bad else "none"
-        out = []
-        for stage in sorted({s for s, _ in samples}):
-            idx = [samples[k][1] for k in bad if samples[k][0] == stage]
-            out += [(stage, a, b) for a, b in sample_ranges(idx, self.cfg.skip_margin)]
-        return Blame(out, by, evidence)
+        steps = [StepAt(s, *latest[s]) for s in sorted(latest) if first_step <= s <= last_step or s in refs]
+        excess = self.pending.excess if self.pending is not None else None
+        return Measure(first_step, last_step, tuple(steps), excess)
 
     # ------------------------------------------------------------------ persistence
 
     def merge_ledger(self, ledger: dict) -> None:
         """After a resume: the run directory's ledger may be newer than the checkpoint (killed during a replay)."""
-        self.pending = ledger.get("pending")
+        self.pending = Episode.from_json(ledger.get("pending"))
         self.rollback_steps = sorted(set(self.rollback_steps) | set(ledger.get("rollbacks", [])))
         self.recurred = sorted(set(self.recurred) | set(ledger.get("recurred", [])))
 
     def state_dict(self) -> dict:
         return {
             "detector": self.detector.state_dict(),
-            "pending": self.pending,
+            "pending": self.pending.to_json() if self.pending is not None else None,
             "rollbacks": self.rollback_steps,
             "recurred": self.recurred,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.detector.load_state_dict(state["detector"])
-        self.pending = state.get("pending")
+        self.pending = Episode.from_json(state.get("pending"))
         self.rollback_steps = list(state.get("rollbacks", []))
         self.recurred = list(state.get("recurred", []))
 

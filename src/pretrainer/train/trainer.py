@@ -30,7 +30,7 @@ from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
 from ..runtime import fp8_capable
-from ..stability.decisions import OK, Abort, Decision, Ok
+from ..stability.decisions import OK, Abort, Decision, Ok, Rollback, StepAt
 from ..stability.recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
 from ..stability.skip_step import SkipStep
 from .accelerator import launch_findings, make_accelerator
@@ -202,15 +202,9 @@ class Trainer:
         return hooks
 
     def _spike_handler(self) -> SpikeHandler:
-        acc = self.accelerator
-
-        def losses(stage, cursor, skips, step):  # a past step's per-sample losses, for blame (no state changes)
-            sequences = self.plan.batch_at(step - 1).tokens_per_step // self.spans[stage].seq_len
-            return sample_losses(acc, self.model, self.batches_for(stage), cursor, skips, self.inputs, sequences)
-
-        alerts = partial(alert, acc, self.recipe.logging.report_to)
+        alerts = partial(alert, self.accelerator, self.recipe.logging.report_to)
         leads = self.layer_stats.leaders if self.layer_stats is not None else None
-        return SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, losses, self.log, alerts, leads)
+        return SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, self.log, alerts, leads)
 
     # ------------------------------------------------------------------ collaborators
 
@@ -405,35 +399,49 @@ class Trainer:
         return self.spikes.after_step(outcome.step, observed.loss, observed.grad_norm)
 
     def _act(self, decision: Decision) -> None:
-        """The one place where a decision changes the run: stop, or restore a checkpoint and replay."""
+        """The one place where a decision changes the run: stop, or roll back."""
         if isinstance(decision, Abort):
             raise SpikeAbort(decision.message, decision.exit_code)
+        self._roll_back(decision)
+
+    def _roll_back(self, rollback: Rollback) -> None:
+        """A rollback, in its one order: keep the rolled-back steps' record, restore the target (weights,
+        optimizer, RNG; the run's position; each part, the spike handler its detector only), measure the spike's
+        samples under the restored weights and skip those the handler blames, write the ledger, replay."""
         st, acc = self.state, self.accelerator
         steps, losses = self.window.flush(acc)  # the rolled-back steps stay in the record, under this epoch
         self.record.losses(steps, losses)
         self.record.flush()
-        restored = self.ckpt.load(decision.target)
+        restored = self.ckpt.load(rollback.target)
         tokens_before = st.tokens
         st.rewind(restored.meta)
         self.parts.load_state_dict(restored.meta, restored.path, rollback=True)
         self.log.event(
             ev.ROLLBACK,
-            decision.step,
+            rollback.step,
             to_step=st.step,
-            path=str(decision.target),
-            replayed=decision.step - st.step,
+            path=str(rollback.target),
+            replayed=rollback.step - st.step,
             tokens=tokens_before - st.tokens,
-            evidence=decision.evidence,
+            evidence=rollback.evidence,
         )
-        alert(acc, self.recipe.logging.report_to, "Rollback", f"step {decision.step} -> {st.step} ({decision.target})")
-        if decision.blame is not None:  # measured under the restored, pre-spike weights; skipped before the replay
-            for stage, first, last in self.spikes.blame_restored(*decision.blame, st.skips):
+        alert(acc, self.recipe.logging.report_to, "Rollback", f"step {rollback.step} -> {st.step} ({rollback.target})")
+        if rollback.blame is not None:  # measured under the restored, pre-spike weights; skipped before the replay
+            measured = {at.step: self._sample_losses(at) for at in rollback.blame.steps}
+            for stage, first, last in self.spikes.blame(rollback.blame, measured):
                 st.add_skip(stage, first, last)
         if acc.is_main_process:  # the ledger (and the open episode) on disk before the replay starts
             write_ledger(self.output_dir, st.skips, self.spikes.state_dict())
         self.window = StepWindow()  # the rolled-back steps' losses are not this timeline's
         self.span = self.phase = None  # re-enter the stage and batch phase the restored step is in
         self.progress.step(st.step)
+
+    def _sample_losses(self, at: StepAt) -> tuple[list[int], list[float]]:
+        """A past step's global sample indices and per-sample losses under the live weights, its batches rebuilt
+        from its stage and cursor (forward passes only: no state changes)."""
+        sequences = self.plan.batch_at(at.step - 1).tokens_per_step // self.spans[at.stage].seq_len
+        batches, skips = self.batches_for(at.stage), self.state.skips_for(at.stage)
+        return sample_losses(self.accelerator, self.model, batches, at.cursor, skips, self.inputs, sequences)
 
     def _resume(self) -> Restored | None:
         """`--resume`: choose the checkpoint (resume policy), load it, hand its meta to the run state and the parts,
