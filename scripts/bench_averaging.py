@@ -58,13 +58,13 @@ def cost(calls: int = 20) -> list[dict]:
             before = rss_bytes()
             # EMA: an update every step; window: 10 of every 10 steps averaged (a merge every 10th call)
             avg = WeightAverage(AveragingSection(method=method), model, 0, 0, every=1 if method == "ema" else 10)
-            avg.after_step(0, 0)  # begins: the accumulators are allocated here
+            avg.update(0, 0)  # begins: the accumulators are allocated here
             grown = rss_bytes() - before
             held = sum(b.nbytes for b in avg.merged) + (sum(b.nbytes for b in avg.sum) if avg.sum else 0)
             times = []
             for i in range(1, calls + 1):
                 t0 = time.perf_counter()
-                avg.after_step(i, i * 1000)
+                avg.update(i, i * 1000)
                 times.append(time.perf_counter() - t0)
             swaps = []
             for _ in range(5):
@@ -120,7 +120,7 @@ def replay(trainer, module, recipe, weights: dict, evals: list[int], spec: dict)
     for step in sorted(weights):
         torch._foreach_copy_([p.tensor for p in avg.pieces], weights[step])
         tokens += recipe.plan.stage_at(step - 1).tokens_per_step
-        avg.after_step(step, tokens)
+        avg.update(step, tokens)
         if step in evals:
             with avg.swapped() as ready:
                 out[step] = trainer.evals.evaluate.reference() if ready else float("nan")

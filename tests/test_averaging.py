@@ -37,7 +37,7 @@ def feed(avg: WeightAverage, model, weights, tokens_per_step: int = 100, until: 
         with torch.no_grad():
             for p, x in zip(model.parameters(), w):
                 p.copy_(x)
-        avg.after_step(step, step * tokens_per_step)
+        avg.update(step, step * tokens_per_step)
 
 
 def merged_of(avg: WeightAverage, model) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ def test_ema_fixed_half_life_every_k_and_stage_reset():
         expect = [(1 - a) * e + a * w.double() for e, w in zip(expect, ws[step - 1])]
     for got, want in zip(merged_of(avg, model), expect):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    avg.start_stage(9, 900)  # `stages: reset`: the average restarts from the live weights
+    avg.stage_start(9, 900)  # `stages: reset`: the average restarts from the live weights
     assert all(torch.equal(a, b) for a, b in zip(merged_of(avg, model), ws[-1]))
 
 

@@ -252,7 +252,7 @@ def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
     for cfg, onsets in ((s, [400]), (strict, [])):  # the live handler, fed the same steps, agrees
         h = SpikeHandler(cfg, lambda m: None, Log(), lambda *a: None)
         h.start_grace(20)
-        found = [st for st, v in bumped if h.after_step(st, v, 1.0) != OK]
+        found = [st for st, v in bumped if h.judge(st, v, 1.0) != OK]
         assert [st - cfg.persistence + 1 for st in found] == onsets
 
 

@@ -17,7 +17,7 @@ from pretrainer.checkpoint import CheckpointManager
 from pretrainer.checkpoint import format as ckformat
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import CheckpointSection, SpikesSection
-from pretrainer.stability.decisions import Abort, Ok, Rollback
+from pretrainer.stability.decisions import Abort, Observed, Ok, Part, Rollback, StepReport
 from pretrainer.stability.recovery import LEDGER, SpikeHandler, write_ledger
 from pretrainer.train.resume import check_compatible, choose_checkpoint
 from pretrainer.train.saving import SaveClock
@@ -35,8 +35,8 @@ class Log:
         return [k for k, _, _ in self.events]
 
 
-class Counter:
-    """A minimal Stateful part."""
+class Counter(Part):
+    """A minimal part: state only."""
 
     def __init__(self):
         self.n = 0
@@ -252,7 +252,7 @@ def test_spike_handler_decides_rollbacks_and_skips_the_blamed_samples(tmp_path):
         for s in range(first, last + 1):
             h.record(s, 0, (s - 1) * 8)
             loss = 3.0 + 0.01 * rng.standard_normal() + (3.0 if s in spiky else 0.0)
-            d = h.after_step(s, loss, 1.0)
+            d = h.judge(s, loss, 1.0)
             if not isinstance(d, Ok):
                 return s, d
         return None, None
@@ -307,7 +307,7 @@ def test_a_spike_on_clean_data_that_recurs_is_accepted_not_skipped():
     def run(first, last):
         for s in range(first, last + 1):
             h.record(s, 0, (s - 1) * 8)
-            d = h.after_step(s, curve[s], 1.0)
+            d = h.judge(s, curve[s], 1.0)
             if not isinstance(d, Ok):
                 return s, d
         return None, None
@@ -331,7 +331,7 @@ def test_spike_handler_aborts_past_the_rollback_limit_and_without_a_target():
     assert isinstance(d, Abort) and d.exit_code == 76 and "1 rollbacks within 1000 steps" in d.message
     h = SpikeHandler(SpikesSection(), lambda m: None, Log(), lambda *a: None)
     h.detector.start_grace(0)
-    d = h.after_step(30, float("nan"), 1.0)
+    d = h.judge(30, float("nan"), 1.0)
     assert isinstance(d, Abort) and "no checkpoint from before step 29" in d.message
 
 
@@ -340,6 +340,51 @@ def test_parts_registry_refuses_a_second_part_of_one_name():
     parts.register("c", Counter())
     with pytest.raises(ValueError, match="already registered"):
         parts.register("c", Counter())
+    with pytest.raises(TypeError, match="register_state"):
+        parts.register("plain", object())
+
+
+def test_parts_hear_each_moment_in_order_and_the_first_decision_wins():
+    """One protocol: every part hears stage starts, batch changes and each step, in registration order; a state-only
+    object (the LR schedule) is carried by checkpoints and hears nothing; the first part's decision other than
+    carrying on is the loop's."""
+    heard = []
+
+    class Ear(Part):
+        def __init__(self, name, decision=None):
+            self.name, self.decision = name, decision
+
+        def stage_start(self, step, tokens):
+            heard.append((self.name, "stage", step, tokens))
+
+        def batch_change(self, step):
+            heard.append((self.name, "batch", step))
+
+        def after_step(self, report):
+            heard.append((self.name, "step", report.step))
+            return self.decision
+
+    first, second = Rollback(Path("/c/step_1"), 5), Abort("stop", 76)
+    parts, lr = Parts(), Counter()
+    parts.register_all({"a": Ear("a"), "b": Ear("b", first), "off": None, "c": Ear("c", second)})
+    parts.register_state({"lr": lr})
+    parts.stage_start(3, 300)
+    parts.batch_change(4)
+    report = StepReport(5, 0, 40, 500, 100, Observed(3.0, 1.0), True, None)
+    assert parts.after_step(report) is first  # and `c` still heard the step
+    assert heard == [
+        ("a", "stage", 3, 300),
+        ("b", "stage", 3, 300),
+        ("c", "stage", 3, 300),
+        ("a", "batch", 4),
+        ("b", "batch", 4),
+        ("c", "batch", 4),
+        ("a", "step", 5),
+        ("b", "step", 5),
+        ("c", "step", 5),
+    ]
+    lr.n = 7
+    assert parts.state_dict()["lr"] == {"n": 7} and "off" not in parts
 
 
 def test_run_plan_is_derived_once_and_read_everywhere():

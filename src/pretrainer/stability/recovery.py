@@ -41,7 +41,7 @@ from ..files import atomic_write_json, read_json
 from ..observe import events as ev
 from ..recipe.sections import SpikesSection
 from ..stats import MAD_TO_SD
-from .decisions import OK, Abort, Decision, Measure, Rollback, StepAt
+from .decisions import OK, Abort, Decision, Measure, Part, Rollback, StepAt, StepReport
 from .spikes import SpikeDetector, sample_ranges
 
 SPIKE_ABORT_EXIT = 76
@@ -205,7 +205,10 @@ def episode_target(path: Path, step: int, ledger: dict | None, verify: Callable[
     return path
 
 
-class SpikeHandler:
+class SpikeHandler(Part):
+    """The spike rule as a part: each step recorded and judged (`after_step`), a rollback decided, the spike's samples
+    blamed once the loop has measured them (`blame`), its episode and history in checkpoints and the ledger."""
+
     def __init__(
         self,
         cfg: SpikesSection,
@@ -235,6 +238,19 @@ class SpikeHandler:
     def start_grace(self, step: int) -> None:
         self.detector.start_grace(step)
 
+    def stage_start(self, step: int, tokens: int) -> None:
+        """The loss level shifts (seq_len, RoPE, mixture): a grace period, the trend forgotten."""
+        self.start_grace(step)
+
+    def batch_change(self, step: int) -> None:
+        """The noise changes with the batch: a grace period, as at a stage start."""
+        self.start_grace(step)
+
+    def after_step(self, report: StepReport) -> Decision:
+        """Record the step (what rebuilds its batches, whether skip-step held its update back) and judge it."""
+        self.record(report.step, report.stage, report.cursor, report.applied)
+        return self.judge(report.step, report.observed.loss, report.observed.grad_norm)
+
     def record(self, step: int, stage: int, cursor_before: int, applied: bool = True) -> None:
         self.steps.append((step, stage, cursor_before))
         if not applied:
@@ -247,7 +263,7 @@ class SpikeHandler:
         suspect = self.detector.onset()
         return Protected(names, None if suspect is None else suspect - 2)
 
-    def after_step(self, step: int, loss: float, grad_norm: float | None) -> Decision:
+    def judge(self, step: int, loss: float, grad_norm: float | None) -> Decision:
         """Judge a finished step (its loss averaged over ranks and its gradient norm, on the host). The data of a
         spike are measured later, under the restored weights (the `Rollback`'s `Measure`, then `blame`)."""
         d = self.detector.update(step, loss, grad_norm)

@@ -17,24 +17,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import NamedTuple
 
 from ..observe import events as ev
 from ..recipe.stability import SkipStepSection
-
-
-class Observed(NamedTuple):
-    """A step's values on the host: the loss averaged over ranks and the global pre-clip gradient norm."""
-
-    loss: float
-    grad_norm: float | None
-
-
-class Skipped(NamedTuple):
-    """Why an update was held back (`non_finite`, `loss`, `grad_norm`, `limit`) and the limit it crossed."""
-
-    reason: str
-    limit: float
+from .decisions import Observed, Part, Skipped, StepReport
 
 
 def _mean_sd(values: deque[float]) -> tuple[float, float]:
@@ -44,11 +30,16 @@ def _mean_sd(values: deque[float]) -> tuple[float, float]:
     return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
 
 
-class SkipStep:
-    """The skip rule's history and verdicts; a part of the run state (checkpointed, rewound on rollback)."""
+class SkipStep(Part):
+    """The skip rule's history and verdicts; a part of the run state (checkpointed, rewound on rollback). The step
+    asks `judge` before the update; as a part it counts and logs the updates held back, and restarts its history
+    at each stage start and batch change."""
 
-    def __init__(self, cfg: SkipStepSection):
+    def __init__(self, cfg: SkipStepSection, log=None):
+        """Args:
+        log: the run log its `skipped_update` events go to."""
         self.cfg = cfg
+        self.log = log
         self.losses: deque[float] = deque(maxlen=cfg.window)
         self.norms: deque[float] = deque(maxlen=cfg.window)
         self.skipped = 0
@@ -84,11 +75,15 @@ class SkipStep:
                 self.norms.append(grad_norm)
         return verdict
 
-    def lost(self, step: int, observed: Observed, skipped: Skipped, tokens: int, log) -> None:
-        """A step's update was held back: count it and its tokens, and log the `skipped_update` event."""
+    def after_step(self, report: StepReport) -> None:
+        """A step's update was held back (tier 1): count it and its tokens, and log the `skipped_update` event."""
+        if report.skipped is not None:
+            self.lost(report.step, report.observed, report.skipped, report.batch_tokens)
+
+    def lost(self, step: int, observed: Observed, skipped: Skipped, tokens: int) -> None:
         self.skipped += 1
         self.tokens_lost += tokens
-        log.event(
+        self.log.event(
             ev.SKIPPED_UPDATE,
             step,
             loss=observed.loss,
@@ -102,6 +97,13 @@ class SkipStep:
         """A new stage shifts the loss level (seq_len, RoPE, mixture): judge it against its own steps only."""
         self.losses.clear()
         self.norms.clear()
+
+    def stage_start(self, step: int, tokens: int) -> None:
+        self.start_stage()
+
+    def batch_change(self, step: int) -> None:
+        """A larger batch has less gradient noise: its norms are judged against their own history too."""
+        self.start_stage()
 
     def state_dict(self) -> dict:
         return {

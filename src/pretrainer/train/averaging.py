@@ -24,6 +24,7 @@ from accelerate.utils import DistributedType
 from ..checkpoint import pieces
 from ..errors import PretrainerError
 from ..recipe.averaging import AveragingSection
+from ..stability.decisions import Part, StepReport
 
 MERGED, SUM = "merged", "sum"
 """Sub-directories of a checkpoint's `averaging/`: the merged weights (the EMA itself), the window's running sum."""
@@ -76,8 +77,8 @@ def _dtensor_piece(name: str, p) -> Local:
     return Local(name, p.to_local().data.view(-1), (offset[0] if p.dim() else 0) * row, tuple(p.shape), replicated)
 
 
-class WeightAverage:
-    """The `averaging` part. `after_step` after each applied update; `swapped()` around an eval or export;
+class WeightAverage(Part):
+    """The `averaging` part. `update` after each applied update (`after_step`); `swapped()` around an eval or export;
     `save` of the accumulators with each checkpoint (the store calls it), `load_files` of them on a resume or
     rollback (the loop calls it, through `Parts`, before `load_state_dict`); `state_dict` for meta.json."""
 
@@ -126,7 +127,11 @@ class WeightAverage:
 
     # ------------------------------------------------------------------ the update
 
-    def after_step(self, step: int, tokens: int) -> None:
+    def after_step(self, report: StepReport) -> None:
+        if report.applied:
+            self.update(report.step, report.tokens)
+
+    def update(self, step: int, tokens: int) -> None:
         """After an applied optimizer step (`tokens`: the run's total after it)."""
         if step < self.start_step:
             return
@@ -175,7 +180,7 @@ class WeightAverage:
             torch._foreach_zero_(self.sum)
             self.count, self.merged_step = 0, step
 
-    def start_stage(self, step: int, tokens: int) -> None:
+    def stage_start(self, step: int, tokens: int) -> None:
         """A stage begins: with `stages: reset` the average restarts from the live weights."""
         if self.section.stages == "reset" and self.merged is not None:
             self.merged = self.sum = None

@@ -14,7 +14,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..model.masking import Inputs, forward_of, plain_inputs
-from ..stability.skip_step import Observed, Skipped, SkipStep
+from ..stability.decisions import Observed, Skipped
+from ..stability.skip_step import SkipStep
 from .engines.deepspeed_gate import DeepSpeedGate
 from .hooks import StepHook
 

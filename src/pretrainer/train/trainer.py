@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 from accelerate.utils import DistributedType
 
@@ -30,7 +31,7 @@ from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
 from ..recipe.schema import Recipe
 from ..runtime import fp8_capable
-from ..stability.decisions import OK, Abort, Decision, Ok, Rollback, StepAt
+from ..stability.decisions import Abort, Decision, Ok, Rollback, StepAt, StepReport
 from ..stability.recovery import SpikeAbort, SpikeHandler, read_ledger, write_ledger
 from ..stability.skip_step import SkipStep
 from .accelerator import launch_findings, make_accelerator
@@ -50,6 +51,14 @@ from .saving import SaveClock
 from .startup import run_identity
 from .state import Parts, RunState
 from .step import StepOutcome, StepRunner
+
+
+class Stepped(NamedTuple):
+    """One step as the loop holds it: the step's own outcome (device values, for the metrics row) and what the
+    parts read of it."""
+
+    outcome: StepOutcome
+    report: StepReport
 
 
 class Trainer:
@@ -140,12 +149,10 @@ class Trainer:
         self.spikes = self._spike_handler() if recipe.spikes.enabled else None
         # the guard (one host read of loss and grad norm before each update) serves the spike rule and skip-step
         self.guard = recipe.spikes.enabled or recipe.stability.skip_step.enabled
-        self.skip = SkipStep(recipe.stability.skip_step) if self.guard else None
-        self.parts = Parts()
-        self.parts.register_all(
-            {"lr": self.scheduler, "loss_stats": self.loss_stats, "gns": self.gns, "spikes": self.spikes}
-        )
-        self.parts.register_all({"skip_step": self.skip, "averaging": self.average})
+        self.skip = SkipStep(recipe.stability.skip_step, self.log) if self.guard else None
+        self.parts = Parts()  # told of each moment in this order: skip-step's event of a step before a spike's
+        self.parts.register_state({"lr": self.scheduler, "loss_stats": self.loss_stats, "gns": self.gns})
+        self.parts.register_all({"skip_step": self.skip, "spikes": self.spikes, "averaging": self.average})
         self.runner = StepRunner(
             acc,
             self.model,
@@ -169,7 +176,7 @@ class Trainer:
             health=self.health,
             average=self.average,
         )
-        self.parts.register_all({"forecast": self.evals.forecaster})
+        self.parts.register_state({"forecast": self.evals.forecaster})
         self._batchers: dict[int, StageBatches] = {}
         self.applied_stage = -1  # stages whose RoPE changes are in the live model
         self.span = None
@@ -204,7 +211,9 @@ class Trainer:
     def _spike_handler(self) -> SpikeHandler:
         alerts = partial(alert, self.accelerator, self.recipe.logging.report_to)
         leads = self.layer_stats.leaders if self.layer_stats is not None else None
-        return SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, self.log, alerts, leads)
+        handler = SpikeHandler(self.recipe.spikes, self.ckpt.newest_good, self.log, alerts, leads)
+        handler.start_grace(self.recipe.schedule.warmup_steps)  # a resume replaces it with the checkpoint's
+        return handler
 
     # ------------------------------------------------------------------ collaborators
 
@@ -251,9 +260,9 @@ class Trainer:
             while self.state.step < self.total_steps:
                 self._enter_stage()
                 self._enter_batch()
-                outcome = self._one_step()
-                if isinstance(decision := self._decide(outcome), Ok):
-                    self._periodic(outcome)
+                stepped = self._one_step()
+                if isinstance(decision := self._decide(stepped.report), Ok):
+                    self._periodic(stepped.outcome)
                     yield self.state.step
                 else:
                     self._act(decision)
@@ -296,8 +305,6 @@ class Trainer:
                 "preempted before the first step: nothing new to save; requeue or run again with --resume auto"
             )
         self.window = StepWindow()
-        if self.spikes and restored is None:
-            self.spikes.start_grace(recipe.schedule.warmup_steps)
         self.save_clock.mark()
 
     def _enter_stage(self) -> None:
@@ -316,12 +323,7 @@ class Trainer:
         if prev == span.index:  # back in the stage we were in (a rollback): nothing new starts
             return
         if span.index > 0 and st.step == span.start_step:
-            if self.spikes:
-                self.spikes.start_grace(st.step)
-            if self.skip:
-                self.skip.start_stage()
-            if self.average:
-                self.average.start_stage(st.step, st.tokens)
+            self.parts.stage_start(st.step, st.tokens)
         self.log.event(
             ev.STAGE_START,
             st.step,
@@ -351,10 +353,7 @@ class Trainer:
                 )
         if st.step != phase.start_step or st.step == 0:
             return
-        if self.spikes:
-            self.spikes.start_grace(st.step)
-        if self.skip:
-            self.skip.start_stage()
+        self.parts.batch_change(st.step)
         self.log.event(
             ev.BATCH_CHANGE,
             st.step,
@@ -364,7 +363,7 @@ class Trainer:
             tokens=st.tokens,
         )
 
-    def _one_step(self) -> StepOutcome:
+    def _one_step(self) -> Stepped:
         """One optimizer step on the stage's next batches; the run state moves on by one step."""
         st, span, acc = self.state, self.span, self.accelerator
         self.lr = self.scheduler.get_last_lr()[0]
@@ -381,22 +380,15 @@ class Trainer:
         self.window.add(st.step, outcome.loss, size)
         observed = outcome.observed
         self.record.observe(st.step, self._epoch(), observed, outcome.applied, span.index, st.tokens)
-        if outcome.skipped is not None:  # tier 1: the update was held back, the step's tokens are lost
-            self.skip.lost(st.step, outcome.observed, outcome.skipped, size, self.log)
         kill_point(f"step:{st.step}")
-        if self.spikes is not None:
-            self.spikes.record(st.step, span.index, cursor, outcome.applied)
-        if self.average is not None and outcome.applied:  # the part's per-step work, before an eval reads it
-            self.average.after_step(st.step, st.tokens)
-        return outcome
+        report = StepReport(st.step, span.index, cursor, st.tokens, size, observed, outcome.applied, outcome.skipped)
+        return Stepped(outcome, report)
 
-    def _decide(self, outcome: StepOutcome) -> Decision:
-        """What the parts make of the step: the spike handler's rollback or stop (skip-step has already acted
-        inside the step: it must, before the update)."""
-        if self.spikes is None:
-            return OK
-        observed = outcome.observed
-        return self.spikes.after_step(outcome.step, observed.loss, observed.grad_norm)
+    def _decide(self, report: StepReport) -> Decision:
+        """What the parts make of the step, in registration order: skip-step counts an update it held back (it
+        judged inside the step: it must, before the update), the spike handler records and judges the step (a
+        rollback or a stop), the weight average takes an applied update before an eval reads it."""
+        return self.parts.after_step(report)
 
     def _act(self, decision: Decision) -> None:
         """The one place where a decision changes the run: stop, or roll back."""
