@@ -11,8 +11,7 @@ from conftest import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer.analysis.summary import vocab_size_for
-from pretrainer.model.build import build_config, build_model, count_params, flops_per_token, non_embedding_params
-from pretrainer.model.shape import flops_per_token as shape_flops
+from pretrainer.model.build import build_config, build_model, compute_of, count_params, non_embedding_params
 from pretrainer.model.shape import shape_of
 from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sharding import activation_bytes, best, footprints, sharding_findings
@@ -29,7 +28,7 @@ def test_counts_from_the_config_equal_the_built_models(path):
     model = build_model(recipe.model, config := build_config(recipe.model, vocab_size=vocab), meta=True)
     n_non_emb = non_embedding_params(model)
     assert (shape.params, shape.non_embedding) == (count_params(model), n_non_emb)
-    assert shape_flops(shape, 4096) == flops_per_token(config, n_non_emb, 4096)
+    assert shape.compute.flops_per_token(4096) == compute_of(config, n_non_emb).flops_per_token(4096)
 
 
 def test_unknown_types_and_defaulted_fields_are_not_guessed():

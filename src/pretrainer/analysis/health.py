@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from .. import checkpoint as ck
+from ..checkpoint import newest_valid, verify
 from ..evaluation.context import context_verdict
 from ..observe import events as ev
 from ..observe.steprecord import Record, read_record
@@ -39,15 +39,15 @@ EVAL_SIGMAS = 3.0
 """Validation this far above its best, while training still falls, is overfitting."""
 
 
-class Curve:
+class LossSeries:
     """A per-step loss curve as two arrays (a long run has millions of steps: no Python tuple per step)."""
 
     def __init__(self, steps: np.ndarray, values: np.ndarray):
         self.steps, self.values = np.asarray(steps, np.int64), np.asarray(values, float)
 
     @classmethod
-    def of(cls, pairs) -> Curve:
-        if isinstance(pairs, Curve):
+    def of(cls, pairs) -> LossSeries:
+        if isinstance(pairs, LossSeries):
             return pairs
         pairs = list(pairs)
         return cls(np.array([s for s, _ in pairs], np.int64), np.array([as_float(v) for _, v in pairs], float))
@@ -117,7 +117,9 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
         evals = {m["step"]: m for m in _eval_rows(d / "metrics.jsonl")}
         final = timeline(rec.step)
         whole = len(final) == len(rec)  # nothing re-run: no copies
-        losses = Curve(rec.step if whole else rec.step[final], (rec.loss if whole else rec.loss[final]).astype(float))
+        losses = LossSeries(
+            rec.step if whole else rec.step[final], (rec.loss if whole else rec.loss[final]).astype(float)
+        )
         stages = [st.get("name") for st in (recipe or {}).get("stages") or []]
         train = _record_columns(rec, final, stages)
     else:
@@ -131,7 +133,7 @@ def load_run(output_dir: str | Path) -> dict[str, Any]:
                 for s, v in m.get("step_losses", []):
                     per_step[s] = v
         ordered = [train_rows[s] for s in sorted(train_rows)]
-        losses = Curve.of(sorted(per_step.items()) or [(m["step"], m["loss"]) for m in ordered])
+        losses = LossSeries.of(sorted(per_step.items()) or [(m["step"], m["loss"]) for m in ordered])
         train = _columns(ordered)
     return {
         "dir": d,
@@ -272,7 +274,7 @@ def verdict(
         episodes: spikes found by replaying the live rule over `losses` (`spike_replay.spike_episodes`); the live check
             passes None, since the live detector's own spikes are in `events`.
     """
-    curve = Curve.of(losses)
+    curve = LossSeries.of(losses)
     if not len(curve):
         return "stalled", ["no training metrics logged"]
     if not finished and idle_s is not None and idle_s > stall_minutes * 60:
@@ -339,7 +341,7 @@ def eval_scatter(vals: list[tuple[int, float]], last: int = 10) -> float:
 
 
 class HealthMonitor:
-    """The live verdict during training, fed incrementally from the records the run logs (an observer of RunLog),
+    """The live verdict during training, fed incrementally from the records the run logs (the `RunLog`'s reader),
     so a check costs no file I/O; seeded once from a resumed run's files. The same `verdict` as check_run.py."""
 
     def __init__(self, output_dir: str | Path | None = None):
@@ -485,8 +487,8 @@ def report(
         out["throughput"] = {"tokens_per_s_median": float(np.median(tps)), "tokens_per_s_last": float(tps[-1])}
 
     if verify_checkpoint:  # the latest checkpoint that verifies
-        check = partial(ck.verify, scan=deep)  # offline: also read every tensor back for NaN/Inf
-        cand, skipped = ck.newest_valid(run["dir"] / "checkpoints", check=check)
+        check = partial(verify, scan=deep)  # offline: also read every tensor back for NaN/Inf
+        cand, skipped = newest_valid(run["dir"] / "checkpoints", check=check)
         out["latest_checkpoint"] = (
             {"path": str(cand.path), "step": cand.meta["step"], "skipped": [[str(p), why] for p, why in skipped]}
             if cand

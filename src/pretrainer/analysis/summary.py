@@ -6,7 +6,7 @@ from typing import Any
 
 from ..data.tokenizer import load_tokenizer
 from ..model import build
-from ..model.shape import Shape, flops_per_token, shape_of
+from ..model.shape import Shape, shape_of
 from ..recipe import sharding
 from ..recipe.lint import drawn_tokens, lint
 from ..recipe.schedules import lr_lambda
@@ -36,11 +36,11 @@ def model_shape(recipe: Recipe) -> tuple[Shape | None, int, int, object]:
     if vocab is not None:
         cfg.setdefault("vocab_size", vocab)
     if (shape := shape_of(cfg)) is not None:
-        return shape, shape.params, shape.non_embedding, lambda t: flops_per_token(shape, t)
+        return shape, shape.params, shape.non_embedding, shape.compute.flops_per_token
     config = build.build_config(recipe.model, vocab_size=vocab)
     model = build.build_model(recipe.model, config, meta=True)
     n_non_emb = build.non_embedding_params(model)
-    return None, build.count_params(model), n_non_emb, lambda t: build.flops_per_token(config, n_non_emb, t)
+    return None, build.count_params(model), n_non_emb, build.compute_of(config, n_non_emb).flops_per_token
 
 
 def fp8_check(recipe: Recipe) -> bool | None:

@@ -87,7 +87,7 @@ def commit(group: Group, tmp: Path, final: Path, meta: dict, extra_files: dict[s
     return sum(v["size"] for v in files.values())
 
 
-def verify(group: Group, path: Path, scan: bool = False) -> list[str]:
+def verify_shares(group: Group, path: Path, scan: bool = False) -> list[str]:
     """Problems with a checkpoint, the same answer on every rank; each rank hashes (and, `scan`, reads back) only its
     share of the files: O(checkpoint / world) per rank."""
     mine = ck.verify(path, scan=False, share=(group.rank, group.world))

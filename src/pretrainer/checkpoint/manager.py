@@ -327,7 +327,7 @@ class CheckpointManager:
 
     def verify(self, path: Path) -> list[str]:
         """The same answer on every rank; each rank hashes its share (deep: rank 0 also scans the files)."""
-        return commit.verify(Group(), Path(path), scan=self.deep_verify)
+        return commit.verify_shares(Group(), Path(path), scan=self.deep_verify)
 
     def newest_good(self, max_step: int) -> Path | None:
         """The newest checkpoint saved at or before `max_step` that verifies and recorded only finite losses.

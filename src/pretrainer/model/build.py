@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RecipeError, first_line
 from .section import ModelSection
+from .shape import Compute
 
 if TYPE_CHECKING:
     import torch
@@ -186,16 +187,12 @@ def non_embedding_params(model: PreTrainedModel) -> int:
     return count_params(model) - emb - (out.weight.numel() if untied else 0)
 
 
-def flops_per_token(config: PretrainedConfig, n_params_non_embedding: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6N (forward + backward matmuls) + 12·L·H·Q·T (attention scores and values).
-
-    N excludes embeddings but counts the LM head, as in the PaLM appendix B convention.
-    """
-    n_layers = config.num_hidden_layers
+def compute_of(config: PretrainedConfig, n_params_non_embedding: int) -> Compute:
+    """What the built model's FLOPs per token depend on (`Compute.flops_per_token`), for any model type."""
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     lm_head = config.vocab_size * config.hidden_size
-    return 6 * (n_params_non_embedding + lm_head) + 12 * n_layers * n_heads * head_dim * seq_len
+    return Compute(n_params_non_embedding, lm_head, config.num_hidden_layers, n_heads * head_dim)
 
 
 def rope_parameters(config: PretrainedConfig, rope) -> dict[str, Any]:

@@ -31,6 +31,10 @@ class Shape:
     non_embedding: int
     """All parameters but the input embedding and an untied LM head (`build.non_embedding_params`)."""
 
+    @property
+    def compute(self) -> Compute:
+        return Compute(self.non_embedding, self.vocab * self.hidden, self.layers, self.heads * self.head_dim)
+
 
 def shape_of(config: dict) -> Shape | None:
     """The shape of the decoder `config` (a recipe's `model.config` with its vocabulary), or None when not known
@@ -53,7 +57,20 @@ def shape_of(config: dict) -> Shape | None:
     return Shape(h, i, layers, heads, kv_heads, head_dim, vocab, tied, layer, total, total - embedding - head)
 
 
-def flops_per_token(shape: Shape, seq_len: int) -> int:
-    """`build.flops_per_token` from the shape: 6N + 12·L·H·Q·T, N without the embedding but with the LM head."""
-    attention = 12 * shape.layers * shape.heads * shape.head_dim * seq_len
-    return 6 * (shape.non_embedding + shape.vocab * shape.hidden) + attention
+@dataclass(frozen=True)
+class Compute:
+    """What a decoder's training FLOPs per token depend on: from a `Shape` (`Shape.compute`), or from a built
+    model's config and its counted parameters (`build.compute_of`)."""
+
+    non_embedding: int
+    """Parameters without the input embedding and an untied LM head."""
+    lm_head: int
+    """vocab x hidden: the head's matmul, tied or not."""
+    layers: int
+    attention_width: int
+    """Heads x head dimension."""
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N (forward + backward matmuls) + 12·L·H·Q·T (attention scores and values).
+        N excludes embeddings but counts the LM head, as in the PaLM appendix B convention."""
+        return 6 * (self.non_embedding + self.lm_head) + 12 * self.layers * self.attention_width * seq_len

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -58,6 +58,14 @@ def tracked(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class LogReader(Protocol):
+    """Reads the run's records as they are written (analysis/health.py `HealthMonitor`)."""
+
+    def on_metrics(self, step: int, values: dict[str, Any]) -> None: ...
+
+    def on_event(self, kind: str, step: int, details: dict[str, Any]) -> None: ...
+
+
 class RunLog:
     """Appends one JSON object per line (only the main process writes) and mirrors each metrics row to the
     trackers at tracker step = its row number in metrics.jsonl, which only grows across resumes and rollbacks."""
@@ -67,8 +75,8 @@ class RunLog:
         self.accelerator = accelerator
         self.enabled = enabled
         self.t0 = time.time()
-        self.observers: list = []
-        """Objects with on_metrics(step, values) and on_event(kind, step, details), told of every record."""
+        self.reader: LogReader | None = None
+        """The live health monitor: it reads each record as written, as check_run.py reads the files."""
         self.lock = threading.Lock()  # a background checkpoint write logs from its own thread
         self.rows = 0
         self.counts: Counter[str] = Counter()
@@ -95,8 +103,8 @@ class RunLog:
             self._append("metrics.jsonl", row)
             self.accelerator.log(tracked(row), step=self.rows)
             self.rows += self.enabled
-        for o in self.observers:
-            o.on_metrics(step, values)
+        if self.reader is not None:
+            self.reader.on_metrics(step, values)
 
     def event(self, kind: ev.EventKind, step: int, **details: Any) -> None:
         """Append one event (kinds and their fields: observe/events.py); incidents are also metrics rows."""
@@ -104,8 +112,8 @@ class RunLog:
             raise TypeError(f"event kind {kind!r}: use a kind from observe/events.py")
         kind.check(details)
         self._append("events.jsonl", {"event": kind, "step": step, "time": round(time.time() - self.t0, 3), **details})
-        for o in self.observers:
-            o.on_event(kind, step, details)
+        if self.reader is not None:
+            self.reader.on_event(kind, step, details)
         if kind.incident:
             self.counts[kind] += 1
             self.metrics(step, {"incident": kind, f"incidents/{kind}": self.counts[kind], f"marker/{kind}": step})

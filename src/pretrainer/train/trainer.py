@@ -20,7 +20,7 @@ from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparati
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
-from ..model.build import flops_per_token
+from ..model.build import compute_of
 from ..model.masking import model_inputs
 from ..observe import events as ev
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
@@ -167,7 +167,7 @@ class Trainer:
         self.record = StepRecorder(self.output_dir, acc.is_main_process)
         self.health = HealthMonitor(self.output_dir) if acc.is_main_process else None
         if self.health is not None:
-            self.log.observers.append(self.health)
+            self.log.reader = self.health
         self.evals = EvalRound(
             evaluate=Evaluator.for_recipe(acc, self.model, self.sources, recipe, self.inputs),
             downstream=Downstream(acc, self.model, self.tokenizer, recipe.eval.lm_eval, self.total_steps),
@@ -528,7 +528,7 @@ class Trainer:
             **({ev.TOKENS_LOST: self.skip.tokens_lost} if self.skip is not None else {}),
         )
         if self.peak is not None:  # model FLOPs per device-second over the device's peak
-            fpt = flops_per_token(self.config, self.n_non_emb, span.seq_len)
+            fpt = compute_of(self.config, self.n_non_emb).flops_per_token(span.seq_len)
             record["mfu"] = mfu(record["tokens_per_s"], fpt, self.accelerator.num_processes, self.peak)
         if self.gns is not None:
             small = span.micro_batch_size * span.seq_len
