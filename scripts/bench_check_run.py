@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrainer.analysis.replay import spike_episodes, spike_episodes_stepwise
+from pretrainer.analysis.replay import spike_episodes
 from pretrainer.recipe.loading import dump_recipe, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     fast = spike_episodes(curve, [20])
     t_fast = time.perf_counter() - t
     t = time.perf_counter()
-    slow = spike_episodes_stepwise(curve, [20])
+    slow = spike_episodes(curve, [20], batched=False)
     t_slow = time.perf_counter() - t
     same = [(e["onset"], e["detected"], e["recovered"]) for e in fast] == [
         (e["onset"], e["detected"], e["recovered"]) for e in slow
@@ -224,7 +224,7 @@ def noisy_curves(n: int = 60_000, seeds: int = 4) -> list[dict]:
         fast = spike_episodes(curve, grace)
         t_fast = time.perf_counter() - t
         t = time.perf_counter()
-        slow = spike_episodes_stepwise(curve, grace)
+        slow = spike_episodes(curve, grace, batched=False)
         t_slow = time.perf_counter() - t
         key = [(e["onset"], e["detected"], e["recovered"]) for e in fast]
         same = key == [(e["onset"], e["detected"], e["recovered"]) for e in slow]

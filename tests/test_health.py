@@ -161,68 +161,67 @@ def rough_curve(n, seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_fast_replay_decides_as_the_live_detector_step_by_step(seed):
     """check_run's batched replay (tables of trend fits, whole stretches of `ok` steps at once) finds the same
-    episodes as feeding every step through the live SpikeDetector, and needs far fewer live fits."""
-    from pretrainer.analysis.replay import spike_episodes, spike_episodes_stepwise
+    episodes, to the last bit of their bounds, as feeding every step through the live SpikeDetector."""
+    from pretrainer.analysis.replay import spike_episodes
 
     losses = rough_curve(6000, seed)
     graces = [20, 3000]
-    fast, slow = spike_episodes(losses, graces), spike_episodes_stepwise(losses, graces)
-    assert [(e["onset"], e["detected"], e["recovered"]) for e in fast] == [
-        (e["onset"], e["detected"], e["recovered"]) for e in slow
-    ]
+    fast, slow = spike_episodes(losses, graces), spike_episodes(losses, graces, batched=False)
+    assert fast == slow
     assert len(slow) >= 3 and slow[-1]["recovered"] is None  # the curve exercised recovery and divergence
     assert any(e["recovered"] is not None for e in slow[:-1])
-    for a, b in zip(fast, slow):
-        assert a["bound"] == pytest.approx(b["bound"], rel=1e-9, nan_ok=True)
 
 
-def test_batched_trend_fit_is_the_live_fit():
-    from pretrainer.analysis.replay import batched_trend_fit
-    from pretrainer.stability.spikes import trend_fit
+def test_a_window_is_fitted_alone_as_among_thousands():
+    """One trend kernel: a row's fit does not depend on the rows beside it (no BLAS product whose blocking changes
+    with the batch), so the live detector's fit of a window (one row) is the replay's (a batch), bit for bit, for
+    full windows, short ones, gappy ones, and a judged step ahead of the window."""
+    from pretrainer.stability.spikes import trend_fit, trend_fits
 
     rng = np.random.default_rng(0)
-    steps = np.sort(rng.choice(np.arange(10_000), (64, 100)), axis=1).astype(float) + np.arange(100)  # rising
-    losses = 3 + 0.02 * rng.standard_normal((64, 100)) + 0.5 * (rng.random((64, 100)) < 0.02)
-    at = steps[:, -1] + 3
-    fits = batched_trend_fit(steps, losses, at)
-    live = np.array([trend_fit(steps[i], losses[i], at[i]) for i in range(64)])
-    np.testing.assert_allclose(fits.coef[:, 0], live[:, 0], rtol=1e-10)
-    np.testing.assert_allclose(fits.scale, live[:, 1], rtol=1e-8)
+    for width, gappy in ((100, False), (100, True), (37, False)):
+        rows = 2048
+        if gappy:
+            steps = np.sort(rng.choice(np.arange(10_000), (rows, width)), axis=1).astype(float) + np.arange(width)
+            at = steps[:, -1] + rng.integers(1, 4, rows)
+        else:
+            steps = np.arange(width, dtype=float) + rng.integers(0, 10_000, rows)[:, None]
+            at = steps[:, -1] + 1
+        losses = 3 + 0.02 * rng.standard_normal((rows, width)) + 0.5 * (rng.random((rows, width)) < 0.02)
+        batch = trend_fits(steps, losses, at, 3, 100)
+        for i in rng.choice(rows, 40, replace=False):
+            alone = trend_fits(steps[i : i + 1], losses[i : i + 1], at[i : i + 1], 3, 100)
+            assert (alone.coef[0] == batch.coef[i]).all() and alone.scale[0] == batch.scale[i]
+            assert trend_fit(steps[i], losses[i], at[i], 3, 100) == (batch.coef[i, 0], batch.scale[i])
+        middle = trend_fits(steps[100:1100], losses[100:1100], at[100:1100], 3, 100)
+        assert (middle.coef == batch.coef[100:1100]).all() and (middle.scale == batch.scale[100:1100]).all()
 
 
-def test_a_table_row_judges_a_later_step_as_the_live_fit_does():
-    """With suspects pending, the replay judges the next steps with the window's fit at a later step: the scale
-    there is the live fit's, for windows of consecutive steps and with a gap."""
-    from pretrainer.analysis.replay import _Replay, _Table
-    from pretrainer.recipe.sections import SpikesSection
-    from pretrainer.stability.spikes import trend_fit
+def test_a_short_or_gappy_window_widens_the_scale_a_full_one_keeps():
+    """The trend's prediction error beyond a full window's: none for a full window of consecutive steps (judging
+    the next step or, with suspects pending, one further on), some for a window with a gap or fewer steps."""
+    from pretrainer.stability.spikes import trend_fits
 
     rng = np.random.default_rng(1)
-    steps = np.arange(400.0)
-    steps[250:] += 3  # a few steps not logged
-    losses = 3 + 0.02 * rng.standard_normal(400)
-    det = _Replay(steps, losses, SpikesSection())
-    det.history.extend(zip(steps[:100].tolist(), losses[:100].tolist()))
-    table = _Table(det, 100, 290)  # row r: the window of positions r .. r + 99, judging position 100 + r
-    rows = np.arange(0, 285, 3)
-    for ahead in (1, 2, 3):
-        pos = 100 + rows + ahead
-        live = [trend_fit(steps[r : r + 100], losses[r : r + 100], steps[p], 3, 100)[1] for r, p in zip(rows, pos)]
-        np.testing.assert_allclose(table.scale_at(rows, pos, det), live, rtol=1e-9)
-        np.testing.assert_allclose([table.scale_of(r, int(steps[p]), det) for r, p in zip(rows, pos)], live, rtol=1e-9)
-    # a full window judges further ahead with the scale it was calibrated with; one with a gap near its end adds to it
-    consecutive, gappy = rows[rows + 100 < 250], rows[(rows < 250) & (rows + 100 > 250)]
-    np.testing.assert_allclose(table.scale_at(consecutive, 100 + consecutive + 2, det), table.sd[consecutive])
-    full_window = table.fits.noise[gappy] * np.sqrt(table.fits.var[gappy])
-    widened = table.scale_at(gappy, 100 + gappy + 2, det)
-    assert (widened >= full_window).all() and (widened > 1.01 * full_window).any()
+    losses = 3 + 0.02 * rng.standard_normal((1, 100))
+    full = np.arange(100.0)[None]
+    nxt = trend_fits(full, losses, [100.0], 3, 100)
+    ahead = trend_fits(full, losses, [102.0], 3, 100)
+    assert ahead.scale[0] == pytest.approx(nxt.scale[0], rel=1e-9) and nxt.noise[0] == pytest.approx(ahead.noise[0])
+    widening = nxt.scale[0] / nxt.noise[0]
+    gap = full.copy()
+    gap[0, 90:] += 30  # thirty steps not logged before the window's last ten
+    gappy = trend_fits(gap, losses, [gap[0, -1] + 1], 3, 100)
+    assert gappy.scale[0] / gappy.noise[0] > 1.03 * widening
+    short = trend_fits(full[:, 70:], losses[:, 70:], [100.0], 3, 100)
+    assert short.scale[0] / short.noise[0] > 1.03 * widening
 
 
 def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
     """The detector's defaults are the recipe's; check_run replays with the run's own `spikes` section (read from
     its resolved recipe), so a run that raised its threshold is judged offline by that threshold, as live."""
     from pretrainer.analysis.health import spike_rule
-    from pretrainer.analysis.replay import spike_episodes, spike_episodes_stepwise
+    from pretrainer.analysis.replay import spike_episodes
     from pretrainer.recipe.sections import SpikesSection
     from pretrainer.stability.decisions import OK
     from pretrainer.stability.recovery import SpikeHandler
@@ -243,7 +242,7 @@ def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
     assert spike_rule(run) == strict and spike_rule({"recipe": None}) == s
     assert spike_rule({"recipe": {"spikes": {"threshold": 6.0, "a_field_from_later": 1}}}).threshold == 6.0
     assert [e["onset"] for e in spike_episodes(bumped, [20])] == [400]
-    assert spike_episodes(bumped, [20], strict) == spike_episodes_stepwise(bumped, [20], strict) == []
+    assert spike_episodes(bumped, [20], strict) == spike_episodes(bumped, [20], strict, batched=False) == []
 
     class Log:
         def event(self, *a, **k):

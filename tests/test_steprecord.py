@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pretrainer.analysis.replay import lived_episodes, spike_episodes, spike_episodes_stepwise, timeline
+from pretrainer.analysis.replay import lived_episodes, spike_episodes, timeline
 from pretrainer.observe.steprecord import StepRecorder, read_record
 from pretrainer.recipe.sections import SpikesSection
 from pretrainer.stability.skip_step import Observed
@@ -102,5 +102,6 @@ def test_the_replay_reads_the_recorded_float32_losses_exactly_as_their_float64_v
     assert len(fast32) >= 3
     assert fast32 == spike_episodes(pairs, [1500], None, start=3)
     assert [(e["onset"], e["detected"], e["recovered"]) for e in fast32] == [
-        (e["onset"], e["detected"], e["recovered"]) for e in spike_episodes_stepwise(pairs, [1500], None, start=3)
+        (e["onset"], e["detected"], e["recovered"])
+        for e in spike_episodes(pairs, [1500], None, start=3, batched=False)
     ]

@@ -33,11 +33,12 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from ..recipe.sections import SpikesSection
-from ..stats import robust_sd, tail_sd
+from ..stats import MAD_TO_SD, robust_sd, tail_sd
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def full_leverage(window: int, ahead: int = 0) -> float:
 def widening(rho, excess, persistence: int):
     """The factor from the per-step noise sd to the scale a step's z is measured in: the noise's own part for means
     of `persistence` steps in a row (`inflation`), and the trend's prediction error beyond that of a full window
-    judging the same step (`excess`, in leverage: `excess_leverage`). That error is the same for all the steps of a
+    judging the same step (`excess`, in leverage: `excess_from_sums`). That error is the same for all the steps of a
     mean and does not average out (`persistence` x the leverage); the threshold is calibrated on full windows
     (bench_spikes.py, the noise models, the judgement corpus), which carry their own already, so a shorter or gappier
     history widens the scale by what it adds: without that, a trend fitted on the few dozen steps after a stage or a
@@ -111,22 +112,11 @@ def widening(rho, excess, persistence: int):
 
 
 def excess_from_sums(sums: np.ndarray, ahead, window: int):
-    """`excess_leverage` from windows' power sums (per row) and how far `ahead` of their next step they judge."""
+    """The leverage of quadratic trends (their power sums, per row) at the step they judge, `ahead` of their next
+    step, less that of a full `window` of consecutive steps judging as far ahead: the part a short or gappy history
+    adds (0 for a full window). From the window's steps, not the refit's inliers (the few points a refit leaves out
+    move it ~1%, and the replay needs no Gram matrix of each fit)."""
     return np.maximum(edge_leverage(sums) - edge_leverage(full_sums(window), ahead / window), 0.0)
-
-
-def excess_leverage(steps: np.ndarray, at, window: int):
-    """The leverage of a quadratic trend through `steps` (the last axis: one window or rows of them) at `at`, less
-    that of a full `window` of consecutive steps ending where `steps` end: the part a short or gappy history adds (0
-    for a full window). From the window's steps, not the refit's inliers (the few points a refit leaves out move it
-    ~1%, and the replay needs no Gram matrix of each fit)."""
-    if steps.ndim == 1 and steps[-1] - steps[0] == len(steps) - 1 and at == int(at):  # consecutive (nearly always)
-        ahead = int(at - steps[-1]) - 1
-        return max(full_leverage(len(steps), ahead) - full_leverage(window, ahead), 0.0)
-    at = np.asarray(at, float)
-    span = at - steps[..., 0]
-    u = (steps - at[..., None]) / span[..., None]
-    return excess_from_sums(power_sums(u), at - steps[..., -1] - 1, window)
 
 
 def lag1(resid: np.ndarray, keep: np.ndarray) -> np.ndarray:
@@ -142,39 +132,139 @@ def lag1_of(kept: np.ndarray, power: np.ndarray) -> np.ndarray:
     return np.clip(num / np.where(power > 0, power, 1.0), 0.0, 0.9)
 
 
+def _sorted_median(s: np.ndarray) -> np.ndarray:
+    """The median of each row of rows sorted in place (np.median's two-point partition is 4x slower on rows of
+    ~100)."""
+    n = s.shape[1]
+    return s[:, n // 2] if n % 2 else 0.5 * (s[:, n // 2 - 1] + s[:, n // 2])
+
+
+def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.einsum("ij,ij->i", a, b)
+
+
+def _solve(u: np.ndarray, y: np.ndarray, w: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Least-squares quadratic per row (weights 0/1, None: all 1) from power sums: u, y (B, W) -> coefficients (B, 3),
+    and for a 2-D u the power sums (B, 5). A 1-D u (W,) is every row's (consecutive steps): unweighted, one 3x3
+    system serves all rows; weighted, each row's power sums. Row by row in `einsum`'s own loops, never a BLAS matrix
+    product, whose blocking (and so its last bits) changes with the number of rows: a row's fit is the same alone
+    (the live detector) as among thousands (the replay)."""
+    if u.ndim == 1:
+        if w is None:
+            a = np.vander(u, 3, increasing=True)
+            return np.einsum("ij,kj->ik", y, np.linalg.solve(a.T @ a, a.T)), None
+        v = np.vander(u, 5, increasing=True)
+        sums = np.einsum("ij,jk->ik", w, v)  # (B, 5): sum of w u^k
+        gram = sums[:, [[0, 1, 2], [1, 2, 3], [2, 3, 4]]]
+        rhs = np.einsum("ij,jk->ik", w * y, v[:, :3])
+        return np.linalg.solve(gram, rhs[..., None])[..., 0], None
+    wu = u if w is None else w * u
+    wu2 = wu * u
+    s0 = np.full(len(u), float(u.shape[1])) if w is None else w.sum(axis=1)
+    s1, s2, s3, s4 = wu.sum(axis=1), wu2.sum(axis=1), _rowdot(wu2, u), _rowdot(wu2, u * u)
+    gram = np.stack([np.stack(x, axis=-1) for x in ((s0, s1, s2), (s1, s2, s3), (s2, s3, s4))], axis=-2)
+    wy = y if w is None else w * y
+    rhs = np.stack([wy.sum(axis=1), _rowdot(wu, y), _rowdot(wu2, y)], axis=-1)
+    return np.linalg.solve(gram, rhs[..., None])[..., 0], np.stack([s0, s1, s2, s3, s4], axis=-1)
+
+
+class Fits(NamedTuple):
+    """`trend_fits`'s rows."""
+
+    coef: np.ndarray
+    """The quadratic's coefficients (B, 3) in u = (step - at) / span: the prediction at `at` is coefficient 0."""
+    span: np.ndarray
+    scale: np.ndarray
+    """The scale a loss at `at` is judged in (B,): the noise sd widened (`widening`)."""
+    noise: np.ndarray
+    """The noise sd around the trend (B,), before widening."""
+
+
+def trend_fits(
+    steps: np.ndarray, losses: np.ndarray, at: np.ndarray, persistence: int = 3, window: int | None = None
+) -> Fits:
+    """The spike rule's trend, for B windows at once: steps and losses (B, W) with W >= 8, at (B,) -> `Fits`. The one
+    numeric kernel of the rule: the live detector calls it with one row (`trend_fit`), the replay with thousands
+    (analysis/replay.py), and a row's numbers do not depend on the rows beside it, so the replay decides as the live
+    detector does by construction.
+
+    A quadratic in u = (step - at) / span fitted by least squares, then refitted without the points more than 3
+    robust sd off (curvature of an early power-law descent is in the trend, not the noise). The noise sd is the
+    largest of the residuals' robust sd (`stats.robust_sd`), the inliers' sd (more efficient on a few dozen points,
+    and it sees heavy shoulders; corrected for the fitted parameters and the 3-sd truncation, 0.986) and the tail sd
+    (`stats.tail_sd`); the scale widens it for means of `persistence` steps by the residuals' autocorrelation and by
+    the prediction's error beyond that of a full `window` (None: W) of consecutive steps (`widening`)."""
+    losses = np.ascontiguousarray(losses, dtype=float)  # windows come as strided views
+    at = np.asarray(at, float)
+    deg, n = 2, steps.shape[1]
+    window = window or n
+    if (steps[:, 0] == at - n).all() and (steps[:, -1] == at - 1).all():  # consecutive, judging the next step
+        span = np.full(len(at), float(n))
+        u = (np.arange(n, dtype=float) - n) * (1.0 / n)
+    else:
+        steps = np.ascontiguousarray(steps, dtype=float)
+        span = np.maximum(1.0, at - steps.min(axis=1))
+        u = (steps - at[:, None]) * (1.0 / span)[:, None]
+
+    def fit(u, y, w: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """(coefficients, residuals, MAD sd, tail sd, the power sums of a 2-D u) per row."""
+        coef, sums = _solve(u, y, w)
+        resid = y - (coef[:, :1] + u * (coef[:, 1:2] + u * coef[:, 2:]))
+        dev = np.abs(resid)  # `stats.robust_sd`: around 0
+        dev.sort(axis=1)  # in place: `dev` is this call's own
+        return coef, resid, MAD_TO_SD * _sorted_median(dev), tail_sd(dev), sums
+
+    coef, resid, sd, tail, sums = fit(u, losses, None)
+    keep = np.abs(resid) <= (3 * sd)[:, None]
+    if not sd.all():
+        keep[sd <= 0] = True
+    count = keep.sum(axis=1)
+    again = (count > deg + 2) & (count < n)
+    if again.any():
+        ua = u[again] if u.ndim == 2 else u
+        c2, r2, s2, t2, _ = fit(ua, losses[again], keep[again].astype(float))
+        coef[again], resid[again], sd[again], tail[again] = c2, r2, s2, t2
+        keep[again] = np.abs(r2) <= 3 * s2[:, None]
+        n_in = keep.sum(axis=1)
+    else:
+        n_in = count
+    ok = n_in > deg + 2
+    kept = resid * keep
+    power = _rowdot(kept, kept)  # the inliers' sum of squares: their sd and the autocorrelation's denominator
+    inlier_sd = np.sqrt(power / np.maximum(n_in - deg - 1, 1)) / 0.986
+    sd = np.maximum(np.where(ok, np.maximum(sd, inlier_sd), sd), tail)
+    if u.ndim == 1:  # consecutive steps: a full window adds nothing, a short one what its leverage exceeds it by
+        excess = np.full(len(at), max(full_leverage(n) - full_leverage(window), 0.0))
+    else:
+        excess = excess_from_sums(sums, at - steps[:, -1] - 1, window)
+    return Fits(coef, span, sd * widening(lag1_of(kept, power), excess, persistence), sd)
+
+
 def trend_fit(
     steps: np.ndarray, losses: np.ndarray, at: float, persistence: int = 3, window: int | None = None
 ) -> tuple[float, float]:
-    """(the trend's prediction at step `at`, the scale a loss there is judged in: the noise sd around the trend
-    (the robust sd of the residuals), widened for means of `persistence` steps by the residuals' autocorrelation and
-    by the prediction's error beyond that of a full `window` (None: as many steps as given; `widening`)).
-
-    A quadratic in the step (linear below 8 points) fitted by least squares, then refitted without the points more
-    than 3 robust sd off: curvature of an early power-law descent is in the trend, not the noise.
-    """
+    """(the trend's prediction at step `at`, the scale a loss there is judged in): `trend_fits` on one window of 8 or
+    more steps; below 8 (a `min_history` under 8), a line, its scale against the full window's quadratic."""
+    if len(steps) >= 8:
+        f = trend_fits(np.asarray(steps, float)[None], np.asarray(losses, float)[None], [at], persistence, window)
+        return float(f.coef[0, 0]), float(f.scale[0])
     span = max(1.0, float(at - steps.min()))
     u = (steps - at) / span  # centred on the prediction point: the prediction is the intercept
-    deg = 2 if len(u) >= 8 else 1
-    a = np.vander(u, deg + 1, increasing=True)
+    a = np.vander(u, 2, increasing=True)
     coef = np.linalg.lstsq(a, losses, rcond=None)[0]
     resid = losses - a @ coef
     sd = robust_sd(resid)
     keep = np.abs(resid) <= 3 * sd if sd > 0 else np.ones(len(u), bool)
-    if keep.sum() > deg + 2 and not keep.all():
+    if keep.sum() > 3 and not keep.all():
         coef = np.linalg.lstsq(a[keep], losses[keep], rcond=None)[0]
         resid = losses - a @ coef
         sd = robust_sd(resid)
         keep = np.abs(resid) <= 3 * sd
-    # The MAD alone is a noisy scale on a few dozen points (a stage's first steps); the sd of the inliers is more
-    # efficient and sees heavy shoulders. Corrected for the fitted parameters and for the 3-sd truncation (0.986).
     n_in = int(keep.sum())
-    if n_in > deg + 2:
-        sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - deg - 1))) / 0.986)
+    if n_in > 3:
+        sd = max(sd, float(np.sqrt(np.sum(resid[keep] ** 2) / (n_in - 2))) / 0.986)
     sd = max(sd, tail_sd(np.sort(np.abs(resid))))
-    if deg == 2:
-        excess = float(excess_leverage(steps, at, window or len(steps)))
-    else:  # under 8 steps: a line, against the full window's quadratic
-        excess = max(float(np.linalg.inv(a.T @ a)[0, 0]) - full_leverage(window or len(steps)), 0.0)
+    excess = max(float(np.linalg.inv(a.T @ a)[0, 0]) - full_leverage(window or len(steps)), 0.0)
     return float(coef[0]), sd * float(widening(lag1(resid, keep), excess, persistence))
 
 
