@@ -193,14 +193,14 @@ def main(argv=None) -> int:
 
 def phases(run_dir: Path) -> dict:
     """Seconds of each phase of check_run's work in this process (the imports are timed by `main` in a fresh one)."""
-    from pretrainer.analysis import health, outlook
+    from pretrainer.analysis import outlook, report, runfiles, verdicts
 
     out, t = {}, time.perf_counter()
-    run = health.load_run(run_dir)
+    run = runfiles.load_run(run_dir)
     out["read_json"], t = time.perf_counter() - t, time.perf_counter()
-    health.replayed(run)
+    verdicts.replayed(run)
     out["spike_replay"], t = time.perf_counter() - t, time.perf_counter()
-    health.report(run_dir, run=run)
+    report.report(run_dir, run=run)
     out["report_incl_replay"], t = time.perf_counter() - t, time.perf_counter()
     outlook.forecast_report(run_dir, run=run)
     out["forecast"] = time.perf_counter() - t

@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 
 from pretrainer.analysis.forecast import Curve, fit, predict
-from pretrainer.analysis.health import load_run, verdict
 from pretrainer.analysis.laws import LAWS, LawFit, basis
 from pretrainer.analysis.outlook import (
     MIN_POINTS,
@@ -46,6 +45,8 @@ from pretrainer.analysis.outlook import (
     run_recipe,
     train_curve,
 )
+from pretrainer.analysis.runfiles import load_run
+from pretrainer.analysis.verdicts import verdict
 from pretrainer.recipe.schedules import cosine_array
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,10 +200,10 @@ def first_off_track(run_dir: Path) -> int | None:
 
 def first_unhealthy(run_dir: Path) -> int | None:
     run = load_run(run_dir)
-    val = [(m["step"], m.get("val/ref")) for m in run["evals"]]
-    for m in run["evals"]:
+    val = [(m["step"], m.get("val/ref")) for m in run.evals]
+    for m in run.evals:
         s = m["step"]
-        losses = [x for x in run["losses"] if x[0] <= s]
+        losses = [x for x in run.losses if x[0] <= s]
         v, _ = verdict(losses, [x for x in val if x[0] <= s], [], finished=False, idle_s=0.0)
         if v not in ("healthy",) and s > 0 and len(losses) > 20:
             return s
@@ -291,7 +292,7 @@ def main(argv=None) -> int:
     # 5. drift vs healthy
     for name, rate in (("drift", 0.02), ("slow_drift", 0.004)):
         run = train(a.out / name, n, a.every, SCHEDULES["const"] + [f"debug.inject.lr_drift=[{n // 3},{rate}]"])
-        logged = [e["step"] for e in load_run(run)["events"] if e["event"] == "off_track"]
+        logged = [e["step"] for e in load_run(run).events if e["event"] == "off_track"]
         res[name] = {
             "lr_drift": [n // 3, rate],
             "first_off_track": first_off_track(run),

@@ -114,7 +114,7 @@ def run(out: Path, cache: Path, steps: int, sets: list[str]) -> tuple[int, float
 
 def judged(out: Path) -> dict:
     """What a run's judgements did: counts by kind, the non-healthy verdicts after warmup, check_run's replay."""
-    from pretrainer.analysis.health import report
+    from pretrainer.analysis.report import report
 
     events = read_jsonl(out / "events.jsonl")
     steps = max((m["step"] for m in read_jsonl(out / "metrics.jsonl")), default=0)
@@ -172,16 +172,16 @@ def bump_recall(run_dirs: list[Path], positions: int = POSITIONS) -> dict:
 
 def _run_series(d: Path) -> dict:
     """A run's timeline for the rule: its per-step losses, its own `spikes` section, grace starts and warmup."""
-    from pretrainer.analysis.health import grace_starts, load_run, spike_rule, warmup_of
+    from pretrainer.analysis.runfiles import grace_starts, load_run, spike_rule, warmup_of
 
     run = load_run(d)
-    steps, loss = run["losses"].steps, run["losses"].values.astype(np.float32)
+    steps, loss = run.losses.steps, run.losses.values.astype(np.float32)
     return {
         "steps": steps,
         "loss": loss,
-        "cfg": spike_rule(run),
-        "graces": grace_starts(run),
-        "warmup": warmup_of(run),
+        "cfg": spike_rule(run.recipe),
+        "graces": grace_starts(run.events),
+        "warmup": warmup_of(run.recipe),
     }
 
 

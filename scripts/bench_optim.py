@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pretrainer.analysis.health import load_run
+from pretrainer.analysis.runfiles import load_run
 from pretrainer.recipe.sections import OptimizerSection
 from pretrainer.train.optim import build_optimizer
 
@@ -33,7 +33,7 @@ SIZES = {"1.3M (tiny)": (128, 4, 4096), "4M": (256, 4, 4096), "11M": (384, 6, 81
 
 
 def curve(run_dir: Path) -> list[tuple[int, float]]:
-    return [(m["step"], m["val/ref"]) for m in load_run(run_dir)["evals"] if "val/ref" in m]
+    return [(m["step"], m["val/ref"]) for m in load_run(run_dir).evals if "val/ref" in m]
 
 
 def train(out: Path, sets: list[str]) -> Path:

@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     def run() -> int:
         from pathlib import Path
 
-        from pretrainer.analysis.health import format_report, load_run, report
         from pretrainer.analysis.outlook import forecast_report, merged_report
+        from pretrainer.analysis.report import format_report, report
+        from pretrainer.analysis.runfiles import load_run
         from pretrainer.errors import PretrainerError
 
         if not Path(args.output_dir).is_dir():
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
         run_data = load_run(args.output_dir)  # read once: a long run's metrics are ~100 MB of JSON
         r = report(args.output_dir, args.stall_minutes, deep=args.verify == "deep", run=run_data)
         # the per-step data is the report's alone: a 10M-step run's ~300 MB, freed before the forecast's LR arrays
-        run_data.update(record=None, losses=None, final=None, train=None)
+        run_data = run_data.without_steps()
         if (fc := forecast_report(args.output_dir, args.target, run=run_data)) is not None:
             r["forecast"] = fc
         if (mr := merged_report(args.output_dir, run=run_data)) is not None:

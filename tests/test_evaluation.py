@@ -137,9 +137,9 @@ def tiny_run(tmp_path_factory, cache_dir):
 def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     import check_run
 
-    from pretrainer.analysis.health import load_run
+    from pretrainer.analysis.runfiles import load_run
 
-    evals = load_run(tiny_run)["evals"]
+    evals = load_run(tiny_run).evals
     assert [m["step"] for m in evals] == [0, 50, 100, 150, 180, 200, 220]  # every 50 steps and at each stage end
     ref = [m["val/ref"] for m in evals]
     assert ref[-1] < ref[0] - 2.0 and ref[-1] < ref[3]  # falls over the run, across the 1024-token long stage
@@ -163,10 +163,10 @@ def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
 def test_lm_eval_in_loop_and_from_a_checkpoint_agree_and_training_helps(tiny_run, capsys, tmp_path):
     import eval_checkpoint
 
-    from pretrainer.analysis.health import load_run
+    from pretrainer.analysis.runfiles import load_run
     from pretrainer.checkpoint import list_checkpoints
 
-    evals = {m["step"]: m for m in load_run(tiny_run)["evals"]}
+    evals = {m["step"]: m for m in load_run(tiny_run).evals}
     bpb = "eval/heldout_python_bpb/bits_per_byte"
     untrained, trained = evals[0][bpb], evals[220][bpb]
     assert trained < 0.8 * untrained, (untrained, trained)  # Python the run never saw, read 20%+ better
@@ -242,7 +242,7 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(cache_d
     import run_recipe
     from huggingface_hub import HfApi, ModelCard
 
-    from pretrainer.analysis.health import load_run
+    from pretrainer.analysis.runfiles import load_run
 
     run = tmp_path / "run"
     args = [str(FIXTURES / "micro3.yaml"), "--output-dir", str(run), "--set", f"data.cache_dir={cache_dir}"]
@@ -271,7 +271,7 @@ def test_push_to_hub_uploads_the_export_with_a_card_written_from_the_run(cache_d
     assert {"README.md", "config.json", "model.safetensors", "provenance.json", "tokenizer.json"} <= set(upload[2])
     card = ModelCard.load(out / "README.md")
     assert card.data.library_name == "transformers" and "pretrainer" in card.data.tags
-    val = [m["val/ref"] for m in load_run(run)["evals"] if "val/ref" in m][-1]
+    val = [m["val/ref"] for m in load_run(run).evals if "val/ref" in m][-1]
     text = card.text
     assert f"`val/ref` (held-out loss on the run's fixed validation batches) at step 30: {val:.4f}" in text
     assert "| main | 0 | 64 |" in text and "| long | 16 | 256 |" in text and "| anneal |" in text  # from the run

@@ -11,7 +11,8 @@ import pytest
 import run_recipe
 from conftest import FIXTURES
 
-from pretrainer.analysis.health import report, verdict
+from pretrainer.analysis.report import report
+from pretrainer.analysis.verdicts import verdict
 
 
 def curve(n=400, seed=0, floor=2.0):
@@ -220,8 +221,8 @@ def test_a_short_or_gappy_window_widens_the_scale_a_full_one_keeps():
 def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
     """The detector's defaults are the recipe's; check_run replays with the run's own `spikes` section (read from
     its resolved recipe), so a run that raised its threshold is judged offline by that threshold, as live."""
-    from pretrainer.analysis.health import spike_rule
     from pretrainer.analysis.replay import spike_episodes
+    from pretrainer.analysis.runfiles import spike_rule
     from pretrainer.recipe.sections import SpikesSection
     from pretrainer.stability.decisions import OK
     from pretrainer.stability.recovery import SpikeHandler
@@ -238,9 +239,9 @@ def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
     losses = curve(n=600, seed=3)
     bumped = [(st, v + (0.25 if 400 <= st < 403 else 0.0)) for st, v in losses]  # a 5-sd bump
     strict = SpikesSection(threshold=6.0, window=60)
-    run = {"recipe": {"spikes": {"threshold": 6.0, "window": 60}}}
-    assert spike_rule(run) == strict and spike_rule({"recipe": None}) == s
-    assert spike_rule({"recipe": {"spikes": {"threshold": 6.0, "a_field_from_later": 1}}}).threshold == 6.0
+    recipe = {"spikes": {"threshold": 6.0, "window": 60}}
+    assert spike_rule(recipe) == strict and spike_rule(None) == s
+    assert spike_rule({"spikes": {"threshold": 6.0, "a_field_from_later": 1}}).threshold == 6.0
     assert [e["onset"] for e in spike_episodes(bumped, [20])] == [400]
     assert spike_episodes(bumped, [20], strict) == spike_episodes(bumped, [20], strict, batched=False) == []
 
@@ -255,9 +256,14 @@ def test_one_rule_live_and_replayed_with_the_runs_own_parameters():
         assert [st - cfg.persistence + 1 for st in found] == onsets
 
 
-def test_eval_lines_found_across_chunk_boundaries(tmp_path, monkeypatch):
-    """The byte search for eval lines: `val/` and `eval/` keys, lines cut by the read's chunks, a torn last line."""
-    from pretrainer.analysis import health
+def test_evals_have_a_stream_of_their_own_and_older_runs_read_alike(tmp_path):
+    """Eval rows go to evals.jsonl too (the same objects as metrics.jsonl's), so a reader of a long run parses no
+    training row; a run written before the stream reads its evals from metrics.jsonl (a torn last line skipped), and
+    resuming it writes the stream with the evals so far."""
+    from accelerate import Accelerator
+
+    from pretrainer.analysis.runfiles import eval_rows
+    from pretrainer.observe.tracking import EVALS, RunLog
 
     rows = []
     for step in range(1, 400):
@@ -267,8 +273,15 @@ def test_eval_lines_found_across_chunk_boundaries(tmp_path, monkeypatch):
         if step % 11 == 0:
             rows.append({"step": step, "eval/hellaswag": 0.3})
     text = "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 400, "val/ref": 2.'  # killed mid-line
-    (tmp_path / "metrics.jsonl").write_text(text)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text(text)
     want = [r for r in rows if any(k.startswith(("val/", "eval/")) for k in r)]
-    for chunk in (37, 1000, 1 << 24):  # chunks shorter than a line, a few lines, the whole file
-        monkeypatch.setattr(health, "CHUNK_BYTES", chunk)
-        assert list(health._eval_rows(tmp_path / "metrics.jsonl")) == want
+    assert list(eval_rows(old)) == want
+    log = RunLog(old, Accelerator(cpu=True), enabled=True)  # a resume of the old run
+    assert list(eval_rows(old)) == want and (old / EVALS).exists()
+    log.metrics(400, {"loss": 2.9})
+    log.metrics(400, {"val/ref": 2.4})
+    assert [r["step"] for r in eval_rows(old)][-2:] == [399, 400] and eval_rows(old) is not None
+    new = [json.loads(line) for line in (old / "metrics.jsonl").read_text().splitlines()[-2:]]
+    assert json.loads((old / EVALS).read_text().splitlines()[-1]) == new[-1] and "loss" in new[0]

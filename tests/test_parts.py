@@ -12,7 +12,8 @@ from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pretrainer import checkpoint as ck
-from pretrainer.analysis.health import HealthMonitor, report
+from pretrainer.analysis.report import report
+from pretrainer.analysis.verdicts import HealthMonitor
 from pretrainer.checkpoint import CheckpointManager
 from pretrainer.checkpoint import format as ckformat
 from pretrainer.recipe.loading import load_recipe

@@ -293,7 +293,7 @@ def test_z_loss_with_liger_kernels_is_refused_in_one_line():
 
 
 def test_check_run_reports_the_tokens_each_tier_cost():
-    from pretrainer.analysis.health import format_report, ladder
+    from pretrainer.analysis.report import format_report, ladder
 
     events = [
         {"event": "skipped_update", "step": 100, "tokens": 1024},

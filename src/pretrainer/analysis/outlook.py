@@ -21,7 +21,7 @@ from ..recipe.loading import load_recipe
 from ..recipe.schedules import cosine_array, lr_array, wsd_array
 from ..recipe.schema import Recipe
 from .forecast import Curve, Fit, fit, off_track, predict
-from .health import load_run, val_of
+from .runfiles import RunFiles, load_run, val_of
 
 MIN_POINTS = 4
 
@@ -42,13 +42,13 @@ def run_recipe(run_dir: str | Path) -> Recipe:
 
 
 def run_curve(
-    run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None, run: dict | None = None
+    run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None, run: RunFiles | None = None
 ) -> Curve:
     """A run's `val/ref` evals (step 0 left out: the law starts at the first update) under its recipe's schedule.
-    `run`: the run as `health.load_run` read it (read here when not given)."""
+    `run`: the run as `runfiles.load_run` read it (read here when not given)."""
     run = run or load_run(run_dir)
     recipe = recipe or run_recipe(run_dir)
-    pts = [(m["step"], val_of(m)) for m in run["evals"] if m["step"] > 0 and val_of(m) is not None]
+    pts = [(m["step"], val_of(m)) for m in run.evals if m["step"] > 0 and val_of(m) is not None]
     if fit_until is not None:
         pts = [p for p in pts if p[0] <= fit_until]
     steps = np.array([s for s, _ in pts], int)
@@ -57,7 +57,7 @@ def run_curve(
 
 
 def train_curve(
-    run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None, run: dict | None = None
+    run_dir: str | Path, recipe: Recipe | None = None, fit_until: int | None = None, run: RunFiles | None = None
 ) -> Curve:
     """A run's per-step training loss (the timeline it kept) as a curve with a level of its own beside `val/ref`:
     many more points than the evals, each noisier, binned by the fit. Read it only where the training loss tracks
@@ -65,7 +65,7 @@ def train_curve(
     below `val/ref` in a shape of its own)."""
     run = run or load_run(run_dir)
     recipe = recipe or run_recipe(run_dir)
-    steps, loss = run["losses"].steps, run["losses"].values
+    steps, loss = run.losses.steps, run.losses.values
     if fit_until is not None:
         steps, loss = steps[steps <= fit_until], loss[steps <= fit_until]
     return Curve(schedule_of(recipe), steps, loss, recipe.schedule.warmup_steps, offset=True)
@@ -236,9 +236,9 @@ class Forecaster:
         self.off = bool(state.get("off", False))
 
 
-def forecast_report(run_dir: str | Path, target: float | None = None, run: dict | None = None) -> dict | None:
+def forecast_report(run_dir: str | Path, target: float | None = None, run: RunFiles | None = None) -> dict | None:
     """The forecast part of `check_run.py`: verdict lines, the final forecast and the off-track evals (None when the
-    run has fewer than `MIN_POINTS` val/ref evals or no resolved recipe). `run`: as `health.load_run` read it."""
+    run has fewer than `MIN_POINTS` val/ref evals or no resolved recipe). `run`: as `runfiles.load_run` read it."""
     if not (Path(run_dir) / "recipe.resolved.yaml").exists():
         return None
     curve = run_curve(run_dir, run=run)
@@ -252,7 +252,7 @@ def forecast_report(run_dir: str | Path, target: float | None = None, run: dict 
         "off_track": o.off_track,
         "fit": o.fit.as_dict(),
     }
-    was, line = remembered_drift((run or load_run(run_dir))["events"], bool(o.off_track))
+    was, line = remembered_drift((run or load_run(run_dir)).events, bool(o.off_track))
     if was:
         out["was_off_track"] = was
     if line:
@@ -282,14 +282,14 @@ def decay_from(recipe: Recipe, now: int, steps: int) -> np.ndarray:
     return np.concatenate([before, after * (before[-1] if now else 1.0)])
 
 
-def merged_report(run_dir: str | Path, run: dict | None = None) -> dict | None:
+def merged_report(run_dir: str | Path, run: RunFiles | None = None) -> dict | None:
     """What averaging gave, beside what a decay would: the last eval's `val/ref_merged` against the live `val/ref`,
     and the forecast of a decay of the recipe's own length started at that step (fitted on the evals up to it, with
     the recipe's calibration runs; stable-phase only without them), and each calibration run's measured final value.
-    None when the run logged no merged eval. `run`: as `health.load_run` read it."""
+    None when the run logged no merged eval. `run`: as `runfiles.load_run` read it."""
     run_dir = Path(run_dir)
     run = run or load_run(run_dir)
-    evals = run["evals"]
+    evals = run.evals
     if not any(ev.VAL_REF_MERGED in m for m in evals):
         return None
     recipe = run_recipe(run_dir)

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..observe import events as ev  # noqa: E402
 from ..recipe.schedules import lr_lambda  # noqa: E402
 from ..recipe.schema import Recipe  # noqa: E402
-from .health import as_float, load_run  # noqa: E402
+from .runfiles import as_float, load_run  # noqa: E402
 
 
 def _rope_label(stage) -> str:
@@ -71,19 +71,19 @@ def plot_run(output_dir: str | Path, path: str | Path) -> Path:
     run = load_run(output_dir)
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1, 1]})
     ax = axes[0]
-    if len(run["losses"]):
-        ax.plot(run["losses"].steps, run["losses"].values, lw=0.8, color="C0", label="train")
-    sources = sorted({k for m in run["evals"] for k in m if k.startswith("val/")})
+    if len(run.losses):
+        ax.plot(run.losses.steps, run.losses.values, lw=0.8, color="C0", label="train")
+    sources = sorted({k for m in run.evals for k in m if k.startswith("val/")})
     for i, key in enumerate(sources):
-        pts = [(m["step"], as_float(m[key])) for m in run["evals"] if key in m]
+        pts = [(m["step"], as_float(m[key])) for m in run.evals if key in m]
         ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2 if key == "val/avg" else 0.8, color=f"C{i + 1}", label=key)
     marks = {ev.SPIKE: ("red", "x"), ev.ROLLBACK: ("purple", "v"), ev.SKIP: ("black", "s")}
     for kind, (color, marker) in marks.items():
-        steps = [e["step"] for e in run["events"] if e["event"] == kind]
+        steps = [e["step"] for e in run.events if e["event"] == kind]
         if steps:
             top = ax.get_ylim()[1]
             ax.scatter(steps, [top] * len(steps), color=color, marker=marker, label=kind, zorder=5)
-    for e in run["events"]:
+    for e in run.events:
         if e["event"] == ev.STAGE_START:
             for a in axes:
                 a.axvline(e["step"], color="grey", lw=0.8, ls="--")
@@ -91,8 +91,8 @@ def plot_run(output_dir: str | Path, path: str | Path) -> Path:
     ax.set_ylabel("loss")
     ax.legend(fontsize=8, ncol=3)
     for a, key, label in zip(axes[1:], ["lr", "grad_norm", "tokens_per_s"], ["lr", "grad norm", "tokens/s"]):
-        if len(run["train"]["step"]):
-            a.plot(run["train"]["step"], run["train"][key], lw=1.0)
+        if len(run.train["step"]):
+            a.plot(run.train["step"], run.train[key], lw=1.0)
         a.set_ylabel(label)
     axes[-1].set_xlabel("optimizer step")
     axes[0].set_title(f"{Path(output_dir).name}")

@@ -58,8 +58,18 @@ def tracked(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+EVALS = "evals.jsonl"
+"""The eval rows' own stream: the same objects as metrics.jsonl's eval rows, so a reader finds a long run's evals
+without parsing its training rows."""
+
+
+def is_eval_row(values: dict[str, Any]) -> bool:
+    """A row with held-out (`val/`) or downstream (`eval/`) results."""
+    return any(k.startswith(("val/", "eval/")) for k in values)
+
+
 class LogReader(Protocol):
-    """Reads the run's records as they are written (analysis/health.py `HealthMonitor`)."""
+    """Reads the run's records as they are written (analysis/verdicts.py `HealthMonitor`)."""
 
     def on_metrics(self, step: int, values: dict[str, Any]) -> None: ...
 
@@ -83,7 +93,12 @@ class RunLog:
         if enabled:  # continue the numbering and the incident counts of an earlier launch (read once)
             _seal(self.dir / "metrics.jsonl")
             _seal(self.dir / "events.jsonl")
-            self.rows = len(read_jsonl(self.dir / "metrics.jsonl"))
+            _seal(self.dir / EVALS)
+            rows = read_jsonl(self.dir / "metrics.jsonl")
+            self.rows = len(rows)
+            if rows and not (self.dir / EVALS).exists():  # a run written before the stream: its evals so far
+                for row in filter(is_eval_row, rows):
+                    self._append(EVALS, row)
             self.counts.update(e["event"] for e in read_jsonl(self.dir / "events.jsonl") if e["event"] in ev.INCIDENTS)
 
     def _append(self, name: str, record: dict) -> None:
@@ -98,9 +113,12 @@ class RunLog:
             self._append(name, record)
 
     def metrics(self, step: int, values: dict[str, Any]) -> None:
+        """One metrics row (tracked at the next row number); an eval row goes to `evals.jsonl` too."""
         row = {"step": step, "time": round(time.time() - self.t0, 3), **values}
         with self.lock:
             self._append("metrics.jsonl", row)
+            if is_eval_row(values):
+                self._append(EVALS, row)
             self.accelerator.log(tracked(row), step=self.rows)
             self.rows += self.enabled
         if self.reader is not None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from ..analysis.health import load_run, report
+from ..analysis.report import report
+from ..analysis.runfiles import load_run
 from ..checkpoint.identity import PROVENANCE
 from ..errors import PretrainerError
 from ..observe import events as ev
@@ -102,7 +103,7 @@ def _from_run(run: Path, step: int | None) -> list[str]:
 
 
 def _val_ref_at(run: Path, step: int | None) -> tuple[int, float] | None:
-    pts = [(m["step"], m["val/ref"]) for m in load_run(run)["evals"] if isinstance(m.get("val/ref"), int | float)]
+    pts = [(m["step"], m["val/ref"]) for m in load_run(run).evals if isinstance(m.get("val/ref"), int | float)]
     pts = [p for p in pts if step is None or p[0] <= step]
     return pts[-1] if pts else None
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from ..analysis.health import HealthMonitor
 from ..analysis.outlook import Forecaster
+from ..analysis.verdicts import HealthMonitor
 from ..evaluation.downstream import Downstream
 from ..evaluation.validation import Evaluator
 from ..observe import events as ev

@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 from accelerate.utils import DistributedType
 
-from ..analysis.health import HealthMonitor
 from ..analysis.outlook import Forecaster
+from ..analysis.verdicts import HealthMonitor
 from ..checkpoint import NOTHING, CheckpointManager, Restored
 from ..checkpoint.export import save_final
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
