@@ -22,6 +22,35 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, cache_dir):
+    """The tiny recipe as `make run` trains it (its lm-eval tasks are local: `eval_tasks/`, read from the repository
+    root like `make run` does): one training for the session's slow tests that read a finished tiny run. A test that
+    writes into a run works on a copy."""
+    import run_recipe
+
+    out, cwd = tmp_path_factory.mktemp("tiny") / "run", os.getcwd()
+    os.chdir(ROOT)
+    try:
+        assert (
+            run_recipe.main(
+                [
+                    "recipes/tiny.yaml",
+                    "--output-dir",
+                    str(out),
+                    "--set",
+                    f"data.cache_dir={cache_dir}",
+                    "--set",
+                    "logging.report_to=[]",
+                ]
+            )
+            == 0
+        )
+    finally:
+        os.chdir(cwd)
+    return out
+
+
 @pytest.fixture
 def micro_recipe() -> Path:
     return FIXTURES / "micro.yaml"

@@ -172,7 +172,7 @@ def test_killed_run_resumes_the_average_bitwise(ema_run, tmp_path, cache_dir):
     assert vals[0][30] == vals[1][30]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ZeRO-3's partitioned averages against one process's
 @pytest.mark.distributed
 def test_zero3_two_processes_average_as_one_process_does(tmp_path, cache_dir):
     """Each rank averages its own partitions; the merged model of two processes is the one-process run's, to within

@@ -245,7 +245,7 @@ def two_processes(tmp_path_factory, cache_dir):
     return refs
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a batch change on every two-process launch (the default set runs one process)
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "config", [None, "zero1.yaml", "zero2.yaml", "zero3.yaml"], ids=["ddp", "zero1", "zero2", "zero3"]
@@ -263,7 +263,7 @@ def test_two_processes_resume_bitwise_across_a_change(config, two_processes, tmp
     assert step_losses(out) == step_losses(ref)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # DeepSpeed's own loss scaling after an accumulation change
 @pytest.mark.distributed
 def test_deepspeed_scales_the_loss_by_the_new_accumulation(two_processes):
     """Under ZeRO-1 the engine divides each micro batch's loss by its own accumulation count: after the change the
@@ -288,7 +288,7 @@ def test_lint_warns_when_the_schedule_grows_past_the_measured_critical_batch():
     assert branch.plan.total_steps == 12 + 12 and not [f for f in lint(branch) if f.id == "PT002"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # critical_batch.py's branches under a two-process launch
 @pytest.mark.distributed
 def test_critical_batch_runs_its_branches_on_two_processes(two_processes, cache_dir):
     """Under `accelerate launch` (ZeRO-1) every rank trains each branch in turn, through one process group for all of
@@ -319,7 +319,7 @@ def test_critical_batch_runs_its_branches_on_two_processes(two_processes, cache_
     assert len((ref / "critical_batch.jsonl").read_text().splitlines()) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # noise scale and layer statistics read inside ZeRO's hooks, against DDP
 @pytest.mark.distributed
 def test_noise_scale_and_layer_statistics_under_zero_equal_ddp_and_one_process(two_processes, grown):
     """The small batch is each rank's first micro batch (their squared norms averaged over ranks): under ZeRO-1/2/3

@@ -84,7 +84,7 @@ def test_killed_anywhere_resumes_bitwise(reference, tmp_path, cache_dir):
     assert_same_run(reference, out)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # twenty kills at random points (the default set kills at every kind of point once)
 def test_killed_twenty_times(reference, tmp_path, cache_dir):
     out = tmp_path / "run"
     rng = random.Random(1)

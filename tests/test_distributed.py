@@ -44,7 +44,7 @@ def launch(
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow  # a ZeRO-3 run end to end with lm-eval in the loop
 def test_zero3_two_processes(tmp_path, cache_dir):
     """Also lm-eval in the loop: ZeRO-3 shards gathered onto the main process, scored there, the same as the
     exported model scores in a process of its own. Slow (71 s here): a variation of the two-process path the default
@@ -129,9 +129,11 @@ def resumed_from(ref: Path, out: Path, step: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("config", ["zero2.yaml", pytest.param("zero3.yaml", marks=pytest.mark.slow)])
-def test_zero_save_kill_resume_export(tmp_path, cache_dir, z3_ref, config):
-    ref, out = z3_ref, tmp_path / "run"
-    if config != "zero3.yaml":
+def test_zero_save_kill_resume_export(tmp_path, cache_dir, request, config):
+    out = tmp_path / "run"
+    if config == "zero3.yaml":  # the module's ZeRO-3 reference, shared with the slow tests (a ZeRO-2 run needs none)
+        ref = request.getfixturevalue("z3_ref")
+    else:
         ref = tmp_path / "ref"
         assert launch(config, ref, cache_dir, *CKPT).returncode == 0
     os.environ["PRETRAINER_KILL_AT"] = "step:13"  # both ranks die by SIGKILL after step 13
@@ -264,7 +266,7 @@ def ddp_async(out: Path, cache_dir: Path, *extra: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow  # a NaN in one DDP replica found by the background writer
 def test_ddp_nan_in_one_replica_is_caught_off_the_loop(tmp_path, cache_dir):
     """DDP with background saves: the main process checks its snapshot in the writer thread, and rank 1's live check
     reaches it through an all-reduce the loop does not wait for. After step 16's update rank 1's own moments get a
@@ -281,7 +283,7 @@ def test_ddp_nan_in_one_replica_is_caught_off_the_loop(tmp_path, cache_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.slow  # DDP with background saves resuming exactly
 def test_ddp_background_saves_on_two_processes_resume_exactly(tmp_path, cache_dir):
     """DDP (2 CPU processes via torchrun) with `checkpoint.async`: the main process alone snapshots and writes, the
     other rank never joins the write's hashing, and a resume from the middle continues the run exactly. Slow (28 s
@@ -345,7 +347,7 @@ def test_zero_buffers_are_sized_from_the_model_and_a_named_size_is_kept(micro_re
     assert configured({"stage": 2, "reduce_bucket_size": "auto"})["zero_optimization"]["reduce_bucket_size"] == 2048**2
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # one process, DDP and ZeRO-1/2/3 training the same run
 @pytest.mark.distributed
 def test_every_launch_trains_the_same_run(tmp_path, cache_dir):
     """Same recipe, same seed, same run: one process, DDP and ZeRO-1/2/3 on two processes start from the same weights

@@ -103,36 +103,6 @@ def test_val_ref_is_the_same_batches_whatever_the_stage(micro_recipe, cache_dir)
     assert ev.context is None  # a call without loss by position leaves no stale table
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory, cache_dir):
-    """The tiny recipe as `make run` trains it (its lm-eval tasks are local: `eval_tasks/`, read from the repository
-    root like `make run` does)."""
-    import os
-
-    import run_recipe
-
-    out, cwd = tmp_path_factory.mktemp("tiny") / "run", os.getcwd()
-    os.chdir(ROOT)
-    try:
-        assert (
-            run_recipe.main(
-                [
-                    "recipes/tiny.yaml",
-                    "--output-dir",
-                    str(out),
-                    "--set",
-                    f"data.cache_dir={cache_dir}",
-                    "--set",
-                    "logging.report_to=[]",
-                ]
-            )
-            == 0
-        )
-    finally:
-        os.chdir(cwd)
-    return out
-
-
 @pytest.mark.slow  # a variation; the default set keeps a representative
 def test_tiny_run_reports_val_ref_and_its_context_verdict(tiny_run, capsys):
     import check_run

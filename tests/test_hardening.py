@@ -540,7 +540,7 @@ def test_the_job_exits_with_the_ranks_code(launcher_rc, codes, expect):
     assert combined(launcher_rc, codes) == expect
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # exit 75 through a real accelerate launch and the wrapper
 @pytest.mark.distributed
 def test_preemption_exit_code_survives_accelerate_launch(tmp_path, cache_dir):
     """SIGTERM to the documented wrapper around a real 2-process `accelerate launch`: the ranks save and exit 75,
@@ -661,7 +661,7 @@ def test_a_checkpoint_of_another_engine_is_one_line(tmp_path):
         check_backend(Plain, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a one-process checkpoint refused under a ZeRO-2 launch, one line per rank
 @pytest.mark.distributed
 def test_a_one_process_checkpoint_under_a_zero2_launch_is_one_line_per_rank(saved, tmp_path, cache_dir):
     """It was a traceback on one rank (`*_optim_states.pt` not found) and a quoted gloo error on the other. Each rank
@@ -694,7 +694,7 @@ def test_an_unusable_remote_is_one_line(tmp_path, cache_dir, capsys):
     assert "--resume auto: checkpoint.remote file://" in one_line_error(capsys)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # three runs racing to prepare one data cache
 def test_a_sweep_started_at_once_on_one_cache_prepares_once(tmp_path):
     """Three runs on one fresh `data.cache_dir`, started together: one trains the tokenizer and tokenizes, the others
     wait for it (one lock, released by the OS), then read what it wrote; all three train."""

@@ -83,7 +83,7 @@ def test_the_job_script_forwards_the_signal_and_requeues_once_on_75(tmp_path):
         assert "requeue" not in record.read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a preempted Slurm job requeued and resumed on 1 and 2 fake nodes
 @pytest.mark.distributed
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(tmp_path, cache_dir, nodes):
