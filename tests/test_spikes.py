@@ -313,6 +313,8 @@ TINY_ONE_STAGE = [
     "--set",
     "eval.every_steps=50",
     "--set",
+    "eval.lm_eval=null",  # the recipe's downstream scores at steps 0 and 100 say nothing of spikes
+    "--set",
     "logging.report_to=[]",
 ]
 
@@ -329,7 +331,7 @@ def tiny(out, cache_dir, *extra):
     ]
 
 
-@pytest.mark.slow  # two 100-step tiny runs, ~270 s: in `make test-slow`, which CI runs too
+@pytest.mark.slow  # the user's case on the tiny recipe: two 100-step runs, without the recipe's lm-eval
 def test_default_settings_catch_a_poisoned_range_on_the_tiny_recipe(tmp_path, cache_dir):
     """The user's case: tiny recipe, default `spikes`, steps 66-69 (samples 2080..2207) poisoned, well after
     warmup (20) and grace (20). Detected, rolled back, every sample of the spike's steps measures as an outlier
