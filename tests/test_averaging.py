@@ -156,6 +156,7 @@ def test_merged_weights_are_evaluated_exported_and_loadable(ema_run, tmp_path):
     assert proc.returncode == 2 and "no averaged weights" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # the average's own files across a kill; the default set resumes the loop bitwise and exports the average
 def test_killed_run_resumes_the_average_bitwise(ema_run, tmp_path, cache_dir):
     out = tmp_path / "run"
     proc = run_micro(out, cache_dir, *AVG, env={"PRETRAINER_KILL_AT": "step:21"})

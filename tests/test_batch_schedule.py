@@ -128,6 +128,7 @@ def test_the_loop_changes_the_accumulation_logs_the_change_and_resumes_bitwise_a
     assert step_losses(out) == step_losses(grown)
 
 
+@pytest.mark.slow  # a rollback across a batch change; the default set crosses one live and on resume
 def test_a_rollback_to_before_a_change_replays_the_change(tmp_path, cache_dir):
     """The spike rule at its defaults. Two stages, the batch doubling at the second (512 -> 1,024 tokens), saved only
     at stage ends: the Adam moments corrupted at step 64 make a spike, rolled back to step 20, before the change; the

@@ -115,6 +115,7 @@ def test_kernel_and_checkpointing_switches_are_validated():
             _llama(kernels="liger")
 
 
+@pytest.mark.slow  # compiled equals eager; the default set holds each layer to one graph (torch._dynamo.explain)
 def test_compile_is_per_decoder_layer_and_keeps_the_model_plain():
     eager, compiled = _llama(), _llama(compile=True)
     assert type(compiled).__name__ == "LlamaForCausalLM"  # no OptimizedModule wrapper for Accelerate to unwrap

@@ -216,6 +216,7 @@ def same_run_as_one_process(ref: Path, out: Path) -> None:
     assert len(rows) == 6 and all(r["optim/muon/ortho_err"] < 0.5 for r in rows)
 
 
+@pytest.mark.slow  # Muon under DeepSpeed's engine; the default set runs Muon itself and DeepSpeed with AdamW
 @pytest.mark.distributed
 def test_deepspeed_muon_on_one_process_equals_plain_muon(muon_ref, tmp_path, cache_dir):
     """DeepSpeed's Muon inside ZeRO-1 (here one rank holds every partition), our split, torch's LR rule, gradient
