@@ -104,6 +104,7 @@ def test_off_track_sees_a_drift_and_not_noise():
     assert off_track(f, drifting) == [int(s) for s in healthy.steps[60:64]]
 
 
+@pytest.mark.slow  # a drift seen live and remembered; the default set forecasts in the loop and in check_run
 def test_the_loop_logs_a_drift_when_it_begins_and_check_run_remembers_it(tmp_path):
     """A drift the law later bends to follow (fitted on evals inside it) is on track at the end; the in-loop check
     saw it when it showed, logged one `off_track` event, and check_run says the run was off track."""

@@ -271,6 +271,7 @@ def test_skip_step_is_honoured_by_deepspeed_on_two_processes(tmp_path, cache_dir
         assert max(abs(a[k] - b[k]) for k in a) < 2e-3  # 2 processes train as 1
 
 
+@pytest.mark.slow  # a QK-norm decoder (Qwen3) through the recipe; the default set trains Llama
 def test_a_qk_norm_model_trains_with_the_scaled_init(tmp_path, cache_dir):
     """Qwen3's decoder (QK-norm) through the same recipe: it trains, and the attention-logit bound is read after
     the q/k norms."""

@@ -90,6 +90,7 @@ def test_performance_metrics_and_console(killed_and_resumed):
     assert "Removed shared tensor" not in proc.stderr
 
 
+@pytest.mark.slow  # incidents as tracker rows; the default set holds the tracker history to metrics.jsonl
 def test_rollback_and_skip_are_on_the_dashboard(tmp_path, cache_dir):
     from test_spikes import SPIKY
 
