@@ -6,6 +6,7 @@
     python scripts/run_recipe.py recipes/tiny.yaml --resume auto         # continue after a crash or preemption
     python scripts/run_recipe.py recipes/tiny.yaml --branch-decay-from runs/tiny/checkpoints/step_00000100 \
         --decay-steps 20 --output-dir runs/tiny-decay-100               # WSD: a decay branched off the stable phase
+                                      # (into a new directory; add --resume auto to continue it after a stop)
 
 Exit codes: 0 done; 2 bad input; 74 a checkpoint could not be written; 75 preempted (SIGTERM/SIGINT) after saving
 a checkpoint: run again with --resume auto.
@@ -66,16 +67,23 @@ def main(argv=None) -> int:
         from pretrainer.train.trainer import Trainer
 
         recipe = load_recipe(args.recipe, args.overrides)
-        resume, allow = args.resume, args.allow_recipe_change
+        resume, allow, branch = args.resume, args.allow_recipe_change, False
         if args.branch_decay_from:
-            from pretrainer.checkpoint import read_meta
+            from pathlib import Path
+
+            from pretrainer.checkpoint import list_checkpoints, read_meta
             from pretrainer.errors import PretrainerError
             from pretrainer.recipe.stages import BRANCH_CHANGES, branch_decay_recipe
 
             if not args.decay_steps or not args.output_dir:
                 raise PretrainerError("--branch-decay-from needs --decay-steps N and a new --output-dir")
+            if args.decay_steps < 1:
+                raise PretrainerError(f"--decay-steps: a decay of at least 1 step, not {args.decay_steps}")
             recipe = branch_decay_recipe(recipe, read_meta(args.branch_decay_from)["step"], args.decay_steps)
-            resume, allow = args.branch_decay_from, args.allow_recipe_change or BRANCH_CHANGES
+            allow = args.allow_recipe_change or BRANCH_CHANGES
+            # --resume auto continues the branch's own run where it has a checkpoint; else the branch starts
+            if not (args.resume == "auto" and list_checkpoints(Path(args.output_dir) / "checkpoints")):
+                resume, branch = args.branch_decay_from, True
         trainer = Trainer(
             recipe,
             args.output_dir,
@@ -84,6 +92,7 @@ def main(argv=None) -> int:
             allow_recipe_change=allow,
             allow_data_change=args.allow_data_change,
             deep_verify=args.verify == "deep",
+            branch=branch,
         )
         trainer.train(after=partial(publish_run, recipe.publish) if recipe.publish.repo else None)
         return 0

@@ -20,7 +20,7 @@ from pretrainer.recipe.loading import load_recipe
 from pretrainer.recipe.sections import CheckpointSection, SpikesSection
 from pretrainer.stability.decisions import Abort, Observed, Ok, Part, Rollback, StepReport
 from pretrainer.stability.recovery import LEDGER, SpikeHandler, write_ledger
-from pretrainer.train.resume import check_compatible, choose_checkpoint
+from pretrainer.train.resume import choose_checkpoint, recipe_changes, record_changes
 from pretrainer.train.saving import SaveClock
 from pretrainer.train.state import Parts, RunState
 
@@ -160,9 +160,11 @@ def test_manager_protection_rollback_target_and_resume_choice(manager, tmp_path)
     path = choose_checkpoint(mgr, "auto", ledger=None)
     assert mgr.load(path).step == 4 and "resume_skip" in log.kinds()
     # a recipe that changed what is trained is refused unless allowed
+    meta = ck.read_meta(path)
     with pytest.raises(Exception, match=r"optimizer.lr: 0.001 -> 0.002"):
-        check_compatible(path, {"optimizer": {"lr": 0.002}}, False, log, tmp_path, True)
-    check_compatible(path, {"optimizer": {"lr": 0.002}}, True, log, tmp_path, True)
+        recipe_changes(path, meta, {"optimizer": {"lr": 0.002}}, False)
+    diffs = recipe_changes(path, meta, {"optimizer": {"lr": 0.002}}, True)
+    record_changes(meta, (diffs, []), log, tmp_path, True)
     assert "recipe_change" in log.kinds() and (tmp_path / "recipe.step_00000004.yaml").exists()
 
 

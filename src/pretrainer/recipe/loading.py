@@ -257,6 +257,18 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None, check_mode
     return recipe
 
 
+def validate_derived(data: dict[str, Any], origin: str) -> Recipe:
+    """A recipe a tool built (a branch, a resume's continued plan) validated like a file's: a problem is one line
+    per field, named after `origin` (the flag or checkpoint the tool built it from), never a traceback.
+
+    Raises:
+        RecipeError: `origin: field: problem` lines."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e, {}, origin)) from None
+
+
 def recipe_dict(recipe: Recipe) -> dict[str, Any]:
     """The resolved recipe as plain data (what is written to recipe.resolved.yaml and the tracker config)."""
     return recipe.model_dump(mode="json")

@@ -8,6 +8,7 @@ sequences per step follow from the recipe alone (see plan.py, where they are der
 from __future__ import annotations
 
 from ..errors import RecipeError
+from .loading import validate_derived
 from .plan import StageSpan, stage_at
 from .schema import Recipe
 
@@ -19,6 +20,7 @@ __all__ = [
     "grad_accum_steps",
     "branch_decay_recipe",
     "branch_batch_recipe",
+    "continued_recipe",
     "BRANCH_CHANGES",
     "BATCH_BRANCH_CHANGES",
 ]
@@ -73,7 +75,7 @@ def branch_decay_recipe(recipe: Recipe, from_step: int, decay_steps: int) -> Rec
     data["stages"] = data["stages"][: span.index] + [stage]
     total = span.start_step + stage["steps"]
     data["schedule"].update(decay_stage=None, decay_fraction=decay_steps / total)
-    out = Recipe.model_validate(data)
+    out = validate_derived(data, f"--decay-steps {decay_steps} from step {from_step}")
     if out.plan.decay_steps != decay_steps:  # float rounding must not move the decay by a step
         raise RecipeError(f"--decay-steps: {decay_steps} cannot be represented over {total} steps")
     return out
@@ -96,7 +98,43 @@ def branch_batch_recipe(recipe: Recipe, from_step: int, factor: int) -> Recipe:
         schedule=[{"from_tokens": t, "global_batch_tokens": b} for t, b in sizes],
     )
     data["stages"] = [dict(st, steps=None, tokens=span.tokens) for st, span in zip(data["stages"], plan.spans)]
-    out = Recipe.model_validate(data)
+    out = validate_derived(data, f"a batch branch x{factor} at step {from_step}")
     if out.plan.tokens_before(from_step) != at:  # the branch point is the same step of the same tokens
         raise RecipeError(f"a batch branch at step {from_step} would start at another token count")
+    return out
+
+
+def continued_recipe(
+    recipe: Recipe, step: int, tokens: int, trained: list[tuple[int, int, int]], origin: str
+) -> Recipe:
+    """The recipe that continues a checkpoint at `step` after `tokens`, whose batches were `trained` (phases as
+    (start_step, start_tokens, tokens_per_step)), under this recipe's batch sizes: the steps before `step` are the
+    ones trained, the recipe's size at `tokens` applies from `step`, its later changes at their tokens. A stage given
+    in tokens then ends where the recipe says in tokens, whatever sizes trained the first part of it. The recipe
+    itself when its plan already agrees with what was trained (any unchanged resume).
+
+    Raises:
+        RecipeError: the continued schedule is not a valid one (`origin` names where it comes from).
+    """
+    plan = recipe.plan
+    before = [p for p in trained if p[0] < step]
+    mine = [(b.start_step, b.start_tokens, b.tokens_per_step) for b in plan.batches if b.start_step < step]
+    if plan.tokens_before(step) == tokens and mine == before:
+        return recipe
+    sizes = [(t, size) for _, t, size in before]
+    sizes.append((tokens, next(size for t, size in reversed(recipe.batch.sizes) if t <= tokens)))
+    sizes += [(t, size) for t, size in recipe.batch.sizes if t > tokens]
+    kept = [sizes[0]] + [b for a, b in zip(sizes, sizes[1:]) if b[1] != a[1]]  # a size that does not change is none
+    data = recipe.model_dump(mode="json")
+    if len(kept) == 1:
+        data["batch"].update(global_batch_tokens=kept[0][1], schedule=None)
+    else:
+        schedule = [{"from_tokens": t, "global_batch_tokens": b} for t, b in kept]
+        data["batch"].update(global_batch_tokens=None, schedule=schedule)
+    out = validate_derived(data, origin)
+    if out.plan.tokens_before(step) != tokens:  # the trained phases did not add up to the checkpoint's tokens
+        raise RecipeError(
+            f"{origin}: step {step} holds {tokens:,} tokens, but its recorded batch sizes add up to "
+            f"{out.plan.tokens_before(step):,}: resume with the recipe the checkpoint was trained with"
+        )
     return out

@@ -14,7 +14,7 @@ from accelerate.utils import DistributedType
 
 from ..analysis.outlook import Forecaster
 from ..analysis.verdicts import HealthMonitor
-from ..checkpoint import NOTHING, CheckpointManager, Restored
+from ..checkpoint import NOTHING, CheckpointManager, Restored, read_meta
 from ..checkpoint.export import save_final
 from ..data.pipeline import StageBatches, get_tokenizer, load_sources, preparation_lock
 from ..evaluation.downstream import Downstream
@@ -45,7 +45,7 @@ from .measures.layers import layer_stats_for
 from .measures.noise_scale import noise_scale_for
 from .measures.probe import OptimizerProbe
 from .preemption import Preempted, PreemptFlag
-from .resume import check_compatible, check_data, choose_checkpoint
+from .resume import check_resumable, choose_checkpoint, continue_plan, likely_checkpoint, record_changes
 from .rundir import RunDir
 from .saving import SaveClock
 from .startup import run_identity
@@ -73,17 +73,23 @@ class Trainer:
         allow_recipe_change: bool | tuple[str, ...] = False,
         allow_data_change: bool = False,
         deep_verify: bool = False,
+        branch: bool = False,
     ):
+        """Args:
+        branch: `resume` is the checkpoint of another run this one starts from (a branch decay, a batch branch):
+            its output directory must be a new run's (`rundir.check_new_run_target`)."""
+        self.output_dir = Path(output_dir or recipe.output_dir)
+        # before anything is built: a resume under another batch plan continues from the checkpoint's tokens
+        recipe = continue_plan(recipe, self.output_dir, resume, allow_recipe_change)
         self.recipe = recipe
         self.plan = recipe.plan
         self.deep_verify = deep_verify
         self.recipe_plain = recipe_dict(recipe)
         self.recipe_hash = recipe_hash(recipe)
-        self.output_dir = Path(output_dir or recipe.output_dir)
         self.resume_spec = resume
         self.allow_recipe_change = allow_recipe_change
         self.allow_data_change = allow_data_change
-        self.rundir = RunDir(self.output_dir, resume, overwrite, old_dirs=(recipe.logging.project,))
+        self.rundir = RunDir(self.output_dir, resume, overwrite, old_dirs=(recipe.logging.project,), branch=branch)
         self.preempt = PreemptFlag()  # before any long work: a SIGTERM from here on ends the run with exit 75
         with self.rundir.released_after(always=False):
             self._setup()
@@ -101,6 +107,8 @@ class Trainer:
             self.sources = load_sources(recipe, self.tokenizer)
         available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
         self.data_keys = {n: s.key for n, s in self.sources.items()}  # data identity, in every checkpoint
+        if (likely := likely_checkpoint(self.output_dir, self.resume_spec)) is not None:
+            self._resumable(*likely)  # a refusal before anything of the run is written (or built)
         self.findings = lint(recipe, available, fp8_capable()) + launch_findings(recipe, acc, len(self.tokenizer))
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
@@ -442,10 +450,8 @@ class Trainer:
         path = choose_checkpoint(self.ckpt, self.resume_spec, ledger)
         if path is None:
             return None
-        check_compatible(
-            path, self.recipe_plain, self.allow_recipe_change, self.log, self.output_dir, acc.is_main_process
-        )
-        check_data(path, self.data_keys, self.allow_data_change, self.log)
+        meta = read_meta(path)
+        record_changes(meta, self._resumable(path, meta), self.log, self.output_dir, acc.is_main_process)
         restored = self.ckpt.load(path)
         st = self.state
         st.load_state_dict(restored.meta)
@@ -461,6 +467,11 @@ class Trainer:
         if acc.is_main_process:
             print(f"resume: from {path} at step {st.step}", flush=True)
         return restored
+
+    def _resumable(self, path: Path, meta: dict) -> tuple:
+        """The reasons this run cannot continue the checkpoint, refused in one line; else the changes to record."""
+        allow = (self.allow_recipe_change, self.allow_data_change)
+        return check_resumable(path, meta, self.recipe, self.recipe_plain, self.data_keys, allow)
 
     def _periodic(self, outcome: StepOutcome) -> None:
         """After a step: log, evaluate, checkpoint, and stop cleanly on preemption."""
@@ -497,6 +508,10 @@ class Trainer:
             "reason": reason,
             "recipe_hash": self.recipe_hash,
             "data": self.data_keys,
+            # the batch sizes that trained it: a resume under another plan continues from here (`continue_plan`)
+            "batches": [
+                [b.start_step, b.start_tokens, b.tokens_per_step] for b in self.plan.batches if b.start_step < st.step
+            ],
             "recipe": self.recipe_plain,
         }
         self.ckpt.save(meta, protected=self.spikes.protected() if self.spikes else NOTHING)
