@@ -212,11 +212,61 @@ def test_critical_batch_measures_branches_and_check_run_reports_them(grown, tmp_
         rows = [m for m in read_jsonl(out / f"x{k}" / "metrics.jsonl") if "loss" in m]
         assert rows and max(m["step"] for m in rows) <= 12 + steps
     assert json.loads((out / "result.json").read_text())["cbs_tokens"] == r["cbs_tokens"]
+    assert r["trained_tokens"] == [8192, 8192]  # equal tokens is the method: counted, not assumed
     assert {p: p.stat().st_mtime_ns for p in (grown / "checkpoints").rglob("*") if p.is_file()} == before
     assert check_run.main([str(grown), "--json", "--verify", "fast"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["critical_batch"]["measured"][0]["cbs_tokens"] == r["cbs_tokens"]
     assert report["critical_batch"]["lines"][0].startswith("critical batch at step 12:")
+    # a torn last line (a kill mid-append) is skipped by every reader of the file, not a JSONDecodeError
+    with open(grown / "critical_batch.jsonl", "a") as f:
+        f.write('{"checkpoint": "x", "step": 1')
+    assert check_run.main([str(grown), "--json", "--verify", "fast"]) == 0
+    assert json.loads(capsys.readouterr().out)["critical_batch"]["measured"][0]["cbs_tokens"] == r["cbs_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokens", "-5"], "--tokens: a positive token count per branch, not -5"),
+        (["--tolerance", "nan"], "--tolerance: a relative loss difference between 0 and 1"),
+        (["--factors", "1", "2", "--tokens", "3072"], "use a multiple of 2,048 (nearest: 2,048 or 4,096)"),
+        ([], None),  # the default length rounds up to a whole number of steps at every size
+    ],
+    ids=["negative-tokens", "nan-tolerance", "unequal-tokens", "default-length"],
+)
+def test_critical_batch_refuses_what_it_cannot_measure_in_one_line_before_writing(
+    grown, args, message, tmp_path, capsys
+):
+    import critical_batch
+
+    from pretrainer.train.batch_branches import branch_tokens
+
+    if message is None:
+        want = branch_tokens(recipe("stages.0.steps=200"), 12, [3, 5], None)  # 16 steps of 5,120 = 81,920 tokens
+        assert want == 92160 and want % (3 * 1024) == 0 == want % (5 * 1024)  # rounded up: 30 and 18 whole steps
+        return
+    results = grown / "critical_batch.jsonl"
+    before = results.read_bytes() if results.exists() else None
+    argv = [str(grown / "checkpoints" / "step_00000012"), "--out", str(tmp_path / "cbs"), *args]
+    assert critical_batch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert (results.read_bytes() if results.exists() else None) == before and not (tmp_path / "cbs").exists()
+
+
+def test_critical_batch_never_replaces_another_run_under_its_out(grown, tmp_path, capsys):
+    import critical_batch
+
+    other = tmp_path / "cbs" / "x1"
+    other.mkdir(parents=True)
+    (other / "run.json").write_text('{"run_id": "someone-else"}')
+    (other / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    argv = [str(grown / "checkpoints" / "step_00000012"), "--out", str(tmp_path / "cbs"), "--factors", "1", "2"]
+    assert critical_batch.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds another run" in err[0], err
+    assert (other / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
 def launch2(config: str | None, out, cache_dir, *sets, kill_at=None, args=()):

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from ..analysis.critical_batch import RESULTS, TOLERANCE, estimate, schedule_line, suggested_size
 from ..checkpoint import read_meta
+from ..checkpoint.identity import read_run_file
 from ..errors import RecipeError
 from ..recipe.schema import Recipe
 from ..recipe.stages import BATCH_BRANCH_CHANGES, branch_batch_recipe
+from .rundir import holds_run
 from .trainer import Trainer
 
 FACTORS = (1, 2, 4, 8)
@@ -30,15 +32,27 @@ fraction of the run; what matters is that every size sees the same tokens)."""
 
 
 def branch_tokens(recipe: Recipe, step: int, factors, tokens: int | None) -> int:
-    """The tokens every branch trains: `tokens`, or `BRANCH_STEPS` steps at the largest size; checked to fit in
-    what is left of the run.
+    """The tokens every branch trains: `tokens`, or about `BRANCH_STEPS` steps at the largest size; a whole number of
+    steps at every size (a multiple of the least common multiple of the sizes), so that every branch trains exactly
+    the same tokens; checked to fit in what is left of the run.
 
     Raises:
-        RecipeError: the branches would run past the end of the run.
+        RecipeError: `tokens` is not positive or not a whole number of steps at every size (the nearest valid
+            values named), or the branches would run past the end of the run.
     """
     plan = recipe.plan
     size = plan.batch_at(step).tokens_per_step
-    want = tokens or BRANCH_STEPS * max(factors) * size
+    unit = math.lcm(*factors) * size
+    if tokens is not None and tokens < 1:
+        raise RecipeError(f"--tokens: a positive token count per branch, not {tokens}")
+    if tokens is not None and tokens % unit:
+        lo, hi = tokens // unit * unit, (tokens // unit + 1) * unit
+        near = f"{lo:,} or {hi:,}" if lo else f"{hi:,}"
+        raise RecipeError(
+            f"--tokens: {tokens:,} is not a whole number of steps at every branch size ({', '.join(f'{k * size:,}' for k in factors)} "
+            f"tokens), so the branches would train unequal tokens: use a multiple of {unit:,} (nearest: {near})"
+        )
+    want = tokens or -(-BRANCH_STEPS * max(factors) * size // unit) * unit
     left = plan.total_tokens - plan.tokens_before(step)
     if want > left:
         raise RecipeError(
@@ -46,6 +60,23 @@ def branch_tokens(recipe: Recipe, step: int, factors, tokens: int | None) -> int
             "left); branch from an earlier checkpoint or pass fewer --tokens"
         )
     return want
+
+
+def check_branch_dirs(dirs: list[Path], parent_run: str | None) -> None:
+    """A branch directory is replaced only when it holds an earlier branch of the same run (a re-measurement), never
+    another run that `--out` happens to point at.
+
+    Raises:
+        RecipeError: one line naming the directory, before anything is written."""
+    for d in dirs:
+        if not holds_run(d):
+            continue
+        ident = read_run_file(d)
+        if ident is None or parent_run is None or ident.parent != parent_run:
+            raise RecipeError(
+                f"--out: {d} holds another run than a branch of {parent_run or 'this checkpoint'}'s run; choose "
+                "another --out"
+            )
 
 
 def measure(
@@ -74,15 +105,23 @@ def measure(
     factors = sorted(set(int(k) for k in factors))
     if len(factors) < 2 or factors[0] < 1:
         raise RecipeError(f"--factors: two or more positive integers, got {factors}")
+    if not 0 < tolerance < 1:  # also NaN: no size would ever pass, or every size would
+        raise RecipeError(f"--tolerance: a relative loss difference between 0 and 1 (e.g. 0.01), not {tolerance}")
     size = plan.batch_at(step).tokens_per_step
     want = branch_tokens(recipe, step, factors, tokens)
-    rows, dirs = [], []
+    check_branch_dirs([out_dir / f"x{k}" for k in factors], meta.get("run_id"))
+    rows, dirs, trained = [], [], []
     for k in factors:
         branch = branch_batch_recipe(recipe, step, k)
-        steps = math.ceil(want / (k * size))
+        steps = want // (k * size)
         where = out_dir / f"x{k}"
         trainer = Trainer(
-            branch, where, overwrite=True, resume=str(checkpoint), allow_recipe_change=BATCH_BRANCH_CHANGES
+            branch,
+            where,
+            overwrite=True,
+            resume=str(checkpoint),
+            allow_recipe_change=BATCH_BRANCH_CHANGES,
+            branch=True,
         )
         with trainer.rundir.released_after():
             loop = trainer.steps()
@@ -93,6 +132,7 @@ def measure(
             trainer.ckpt.finish()
             rows.append(trainer.evals.evaluate.batch_losses())
         dirs.append(str(where))
+        trained.append(trainer.state.tokens - int(meta["tokens"]))
     main = trainer.accelerator.is_main_process
     trainer.accelerator.end_training()  # once: it ends the process group the next branch's Accelerator reuses
     est = estimate([k * size for k in factors], rows, tolerance)
@@ -104,6 +144,7 @@ def measure(
         "tokens": int(meta["tokens"]),
         "batch_tokens": size,
         "branch_tokens": want,
+        "trained_tokens": trained,
         **est.as_dict(),
         "suggested": schedule_line(sizes, int(meta["tokens"]), grow),
         "suggested_batch_tokens": grow,
