@@ -15,12 +15,13 @@ Pure functions of the losses; `train/batch_branches.py` trains the branches.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..observe.tracking import read_jsonl
 
 TOLERANCE = 0.01
 """A branch within 1% of the best loss of the smaller batches counts as "no worse per token"."""
@@ -112,10 +113,22 @@ def schedule_line(before: list[tuple[int, int]], at_tokens: int, size: int) -> s
 
 def read_results(run_dir: str | Path) -> list[dict]:
     """The run's critical-batch measurements, in the order they were made (empty when none)."""
-    path = Path(run_dir) / RESULTS
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in read_jsonl(Path(run_dir) / RESULTS) if _complete(r)]
+
+
+def _complete(r: dict) -> bool:
+    """A record with what the report reads, of the right types (a damaged line that still parses is skipped)."""
+    ints = ("step", "tokens", "batch_tokens", "cbs_tokens", "lo", "hi", "branch_tokens")
+    return (
+        all(isinstance(r.get(k), int) for k in ints)
+        and isinstance(r.get("bounded"), bool)
+        and isinstance(r.get("suggested"), str)
+        and isinstance(r.get("sizes"), list)
+        and isinstance(r.get("losses"), list)
+        and len(r["sizes"]) == len(r["losses"])
+        and all(isinstance(v, int | float) for v in r["sizes"] + r["losses"])
+        and isinstance(r.get("tolerance"), int | float)
+    )
 
 
 def measured_lines(results: list[dict], gns_steps, gns_values) -> list[str]:

@@ -106,6 +106,8 @@ def report(
     if (remote := _remote(events)) is not None and remote["failing"]:  # only the event log knew
         reasons = [*reasons, f"remote copies failing: {remote['failed']} failed, last: {remote['last_error']}"]
     out: dict[str, Any] = {"dir": str(run.dir), "verdict": v, "reasons": reasons, "finished": finished}
+    if run.damaged:  # read in part or not at all: the report stands on the rest
+        out["damaged"] = list(run.damaged)
     out["replayed_spikes"] = [[e["onset"], e["detected"], e["recovered"]] for e in episodes]
     if remote is not None:
         out["remote"] = remote
@@ -186,16 +188,39 @@ def ladder(events: list[dict]) -> dict[str, dict]:
 
 def _context(run: RunFiles) -> dict[str, Any] | None:
     """The latest loss-by-position measurement, judged against the window `final/config.json` advertises (the
-    window of the measurement while the run has no `final/`)."""
-    found = [e for e in run.events if e["event"] == ev.CONTEXT]
+    window of the measurement while the run has no `final/`). A measurement that does not read as one (a damaged
+    event) is passed over."""
+    found = [e for e in run.events if e["event"] == ev.CONTEXT and _context_ok(e)]
     if not found:
         return None
     last = found[-1]
     if not last.get("buckets"):
         return {"step": last["step"], "verdict": last["verdict"]}
-    config = run.dir / "final" / "config.json"
-    advertised = json.loads(config.read_text())["max_position_embeddings"] if config.exists() else last["window"]
+    advertised = _advertised(run.dir / "final" / "config.json") or last["window"]
     return {"step": last["step"], "buckets": last["buckets"], **context_verdict(last["buckets"], advertised)}
+
+
+def _context_ok(e: dict) -> bool:
+    def num(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    buckets = e.get("buckets")
+    if not buckets:
+        return isinstance(e.get("verdict"), str)
+    return (
+        isinstance(buckets, list)
+        and type(e.get("window")) is int
+        and all(isinstance(b, dict) and all(num(b.get(k)) for k in ("lo", "hi", "loss", "se")) for b in buckets)
+    )
+
+
+def _advertised(config: Path) -> int | None:
+    """`max_position_embeddings` of an exported config (None: none, or not readable as one)."""
+    try:
+        value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if type(value) is int else None
 
 
 def _downstream(run: RunFiles) -> dict[str, dict] | None:
@@ -210,6 +235,8 @@ def _downstream(run: RunFiles) -> dict[str, dict] | None:
 
 def format_report(r: dict[str, Any]) -> str:
     lines = [f"verdict: {r['verdict']}  ({'; '.join(r['reasons'])})", f"run: {r['dir']}"]
+    for what in r.get("damaged", []):
+        lines.append(f"warning: damaged file, read up to the damage or left out: {what}")
     if "step" in r:
         lines.append(f"step {r['step']:,}, tokens {r.get('tokens') or 0:,}, {'finished' if r['finished'] else 'live'}")
     for st in r["stages"]:

@@ -19,7 +19,7 @@ import yaml
 
 from ..observe import events as ev
 from ..observe.steprecord import Record, read_record
-from ..observe.tracking import EVALS, is_eval_row, read_jsonl
+from ..observe.tracking import EVALS, is_eval_row, iter_jsonl, read_events
 from ..recipe.sections import SpikesSection
 from .replay import timeline
 
@@ -74,7 +74,7 @@ def _record_columns(rec: Record, final: np.ndarray, stages: list[str]) -> dict[s
     names = np.array(stages or ["?"], object)
     return {
         "step": rows["step"].astype(np.int64),
-        "stage": names[np.minimum(rows["stage"].astype(np.int64), len(names) - 1)],
+        "stage": names[np.clip(rows["stage"].astype(np.int64), 0, len(names) - 1)],
         "loss": rows["row_loss"],
         "tokens": rows["tokens"].astype(np.int64),
         "tokens_per_s": rows["tokens_per_s"],
@@ -105,6 +105,8 @@ class RunFiles:
     """The resolved recipe, as plain data (None where the run has none)."""
     last_write: float | None
     """metrics.jsonl's modification time (a live run that stopped writing is stalled)."""
+    damaged: tuple[str, ...] = ()
+    """Files of the run read only in part or not at all (name: why), for the report to name."""
 
     def without_steps(self) -> RunFiles:
         """The same run without its per-step data (a 10M-step run's ~300 MB): what the forecast and the averaging
@@ -115,12 +117,10 @@ class RunFiles:
 def load_run(output_dir: str | Path) -> RunFiles:
     """Metrics, evals, events and the per-step record of a run (live or finished), each file read once."""
     d = Path(output_dir)
-    events = read_jsonl(d / "events.jsonl")
-    recipe = None
-    if (d / "recipe.resolved.yaml").exists():
-        recipe = yaml.safe_load((d / "recipe.resolved.yaml").read_text())
+    events = read_events(d / "events.jsonl")
+    recipe, damaged = resolved_recipe(d)
     mtime = (d / "metrics.jsonl").stat().st_mtime if (d / "metrics.jsonl").exists() else None
-    rec = read_record(d)
+    rec = read_record(d, damaged)
     final = None
     if rec is not None:
         evals = {m["step"]: m for m in eval_rows(d)}
@@ -144,14 +144,34 @@ def load_run(output_dir: str | Path) -> RunFiles:
         ordered = [train_rows[s] for s in sorted(train_rows)]
         losses = LossSeries.of(sorted(per_step.items()) or [(m["step"], m["loss"]) for m in ordered])
         train = _columns(ordered)
-    return RunFiles(d, train, [evals[s] for s in sorted(evals)], losses, rec, final, events, recipe, mtime)
+    evals_by_step = [evals[s] for s in sorted(evals)]
+    return RunFiles(d, train, evals_by_step, losses, rec, final, events, recipe, mtime, tuple(damaged))
+
+
+def resolved_recipe(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
+    """The run's resolved recipe as plain data (None when it has none, or when it is damaged: not YAML, not UTF-8,
+    or its sections not mappings), and what is wrong with it."""
+    path = Path(run_dir) / "recipe.resolved.yaml"
+    if not path.is_file():
+        return None, []
+    try:
+        recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as e:
+        return None, [f"{path.name}: {str(e).splitlines()[0][:120]}"]
+    shape_ok = isinstance(recipe, dict) and all(isinstance(v, dict) for k, v in recipe.items() if k != "stages")
+    stages = recipe.get("stages") if isinstance(recipe, dict) else None
+    if not shape_ok or not (
+        stages is None or (isinstance(stages, list) and all(isinstance(st, dict) for st in stages))
+    ):
+        return None, [f"{path.name}: not a recipe (its sections are not mappings)"]
+    return recipe, []
 
 
 def eval_rows(run_dir: Path):
     """The run's eval rows: `evals.jsonl`, or for a run written before it, metrics.jsonl's lines that hold a `val/`
     or `eval/` key (parsed only where the text has one)."""
     if (run_dir / EVALS).exists():
-        yield from read_jsonl(run_dir / EVALS)
+        yield from iter_jsonl(run_dir / EVALS)
         return
     for line, m in _rows(run_dir / "metrics.jsonl"):
         if ('"val/' in line or '"eval/' in line) and is_eval_row(m):  # the text test first: 1M rows
@@ -159,15 +179,18 @@ def eval_rows(run_dir: Path):
 
 
 def _rows(path: Path):
-    """(line, record) of a metrics file, streamed (a long run's file is ~100 MB); a torn line is skipped."""
+    """(line, record) of a metrics file, streamed (a long run's file is ~100 MB); a torn or damaged line (not an
+    object with an integer step) is skipped."""
     if not path.exists():
         return
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                yield line, json.loads(line)
-            except json.JSONDecodeError:
+                m = json.loads(line)
+            except ValueError:
                 continue
+            if isinstance(m, dict) and type(m.get("step")) is int:
+                yield line, m
 
 
 def spike_rule(recipe: dict[str, Any] | None) -> SpikesSection:

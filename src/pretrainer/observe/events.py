@@ -27,6 +27,20 @@ class EventKind(str):
 
 KINDS: dict[str, EventKind] = {}
 
+ROW_KEYS = frozenset({"event", "step", "time"})
+"""What every event row holds besides its kind's fields."""
+
+
+def well_formed(row: dict) -> bool:
+    """An event row as a writer writes it: a known kind, an integer step, and either only the kind's declared fields
+    or all of them (a run of an earlier version may carry a field since retired). A damaged key is both an unknown
+    field and a missing one."""
+    kind = KINDS.get(row.get("event")) if isinstance(row.get("event"), str) else None
+    if kind is None or type(row.get("step")) is not int:
+        return False
+    keys = row.keys() - ROW_KEYS
+    return kind.open_fields or keys <= kind.fields or kind.fields <= keys
+
 
 def _kind(name: str, fields: tuple[str, ...], doc: str, incident: bool = False, open_fields: bool = False):
     KINDS[name] = k = EventKind(name, fields, doc, incident, open_fields)

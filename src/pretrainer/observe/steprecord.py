@@ -21,6 +21,7 @@ appends five host numbers it already has (`observe`); the losses arrive with the
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,22 +176,103 @@ class Record:
         return out
 
 
-def _batches(path: Path):
-    """A stream's batches, one at a time; a torn last batch (a killed process) ends it."""
+MAX_BATCH_ROWS = 1 << 20
+"""Most rows a record batch may claim when read (the writer flushes at most `FLUSH_ROWS`): a damaged length or
+buffer size is refused before Arrow allocates for it (a damaged byte must never cost gigabytes)."""
+
+
+class Damaged(ValueError):
+    """A complete batch that does not read as the record's schema (a damaged byte, not a torn write)."""
+
+
+def _batches(path: Path, schema, damaged: list[str]):
+    """A stream's batches, one at a time. A torn last batch (a killed process) ends it silently; a batch that is
+    complete but damaged ends it too and is named in `damaged` (the batches before it are kept)."""
     import pyarrow as pa
 
+    errors = (pa.ArrowException, OSError, ValueError, IndexError, struct.error)
     try:
-        # the system allocator: freed batches go back to the OS (2x faster here than the default pool, measured)
-        reader = pa.ipc.open_stream(pa.OSFile(str(path)), memory_pool=pa.system_memory_pool())
-    except (pa.ArrowInvalid, OSError):
-        return  # created, nothing written
+        messages = pa.ipc.MessageReader.open_stream(pa.memory_map(str(path)))
+        first = messages.read_next_message()
+    except (StopIteration, *errors):
+        return  # created, nothing (whole) written
+    try:
+        if not pa.ipc.read_schema(first).equals(schema):
+            raise Damaged("not the record's schema")
+    except errors as e:
+        damaged.append(f"{path.name}: {e}")
+        return
     while True:
         try:
-            yield reader.read_next_batch()
+            message = messages.read_next_message()
         except StopIteration:
             return
-        except (pa.ArrowInvalid, OSError):
+        except errors:
+            return  # torn
+        try:
+            _check_layout(message)
+            batch = pa.ipc.read_record_batch(message, schema)
+            batch.validate(full=True)
+        except errors as e:
+            damaged.append(f"{path.name}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
             return
+        yield batch
+
+
+def _check_layout(message) -> None:
+    """Refuse a record batch whose metadata claims more than a record batch can hold: rows past `MAX_BATCH_ROWS`, a
+    buffer outside the body, a compressed buffer that would decompress past 8 bytes a row (read from the message's
+    flatbuffer before Arrow allocates anything).
+
+    Raises:
+        Damaged: what is wrong."""
+    if message.type != "record batch":
+        raise Damaged(f"a {message.type} message where a record batch belongs")
+    rows, buffers, compressed = _batch_layout(memoryview(message.metadata.to_pybytes()))
+    if not 0 <= rows <= MAX_BATCH_ROWS:
+        raise Damaged(f"a batch of {rows} rows")
+    body = message.body
+    size = body.size if body is not None else 0
+    head = memoryview(body) if body is not None else memoryview(b"")
+    for offset, length in buffers:
+        if offset < 0 or length < 0 or offset + length > size:
+            raise Damaged(f"a buffer at {offset}+{length} outside the batch's {size} bytes")
+        if compressed and length >= 8:
+            full = struct.unpack_from("<q", head, offset)[0]
+            if full != -1 and not 0 <= full <= 8 * rows + 64:
+                raise Damaged(f"a buffer that claims {full} bytes for {rows} rows")
+
+
+def _batch_layout(buf: memoryview) -> tuple[int, list[tuple[int, int]], bool]:
+    """(rows, [(offset, length) of each buffer], compressed) of an IPC RecordBatch message's flatbuffer metadata
+    (Message: field 1 header type, 2 header; RecordBatch: 0 length, 2 buffers, 3 compression; Arrow's Message.fbs)."""
+    msg = _table(buf, struct.unpack_from("<I", buf, 0)[0])
+    kind = _field(buf, msg, 1)
+    if kind is None or buf[kind] != 3:  # MessageHeader.RecordBatch
+        raise Damaged("not a record batch header")
+    at = _field(buf, msg, 2)
+    batch = _table(buf, at + struct.unpack_from("<I", buf, at)[0])
+    rows = struct.unpack_from("<q", buf, f)[0] if (f := _field(buf, batch, 0)) is not None else 0
+    buffers = []
+    if (f := _field(buf, batch, 2)) is not None:
+        vec = f + struct.unpack_from("<I", buf, f)[0]
+        n = struct.unpack_from("<I", buf, vec)[0]
+        if 4 + 16 * n > len(buf) - vec:
+            raise Damaged(f"{n} buffers in {len(buf)} bytes of metadata")
+        buffers = [struct.unpack_from("<qq", buf, vec + 4 + 16 * k) for k in range(n)]
+    return rows, buffers, _field(buf, batch, 3) is not None
+
+
+def _table(buf: memoryview, pos: int) -> tuple[int, list[int]]:
+    """A flatbuffer table: its position and its vtable's field offsets."""
+    vtable = pos - struct.unpack_from("<i", buf, pos)[0]
+    size = struct.unpack_from("<H", buf, vtable)[0]
+    return pos, [struct.unpack_from("<H", buf, vtable + 4 + 2 * i)[0] for i in range(max(0, size - 4) // 2)]
+
+
+def _field(buf: memoryview, table: tuple[int, list[int]], i: int) -> int | None:
+    pos, offsets = table
+    return pos + offsets[i] if i < len(offsets) and offsets[i] else None
 
 
 def _np(arr) -> np.ndarray:
@@ -212,21 +294,23 @@ def _bits(buf, offset: int, n: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little")[offset : offset + n].astype(bool)
 
 
-def read_record(output_dir: str | Path) -> Record | None:
+def read_record(output_dir: str | Path, damaged: list[str] | None = None) -> Record | None:
     """The run's record (None: a run written before the record existed, or with nothing recorded yet), read a batch
-    at a time into the columns it keeps."""
+    at a time into the columns it keeps. `damaged` collects the files read only up to a damaged batch (name: why)."""
     d = Path(output_dir) / DIR
     files = sorted(d.glob("steps-*.arrows"))
     if not files:
         return None
     cols: dict[str, list] = {"step": [], "epoch": [], "loss": [], "bad_norm": []}
     rows: dict[str, list] = {f: [] for f in row_schema().names}
+    damaged = [] if damaged is None else damaged
+    steps, row = step_schema(), row_schema()
     for f in files:
-        for b in _batches(f):
+        for b in _batches(f, steps, damaged):
             for k in ("step", "epoch", "loss"):
                 cols[k].append(_np(b.column(k)).copy())  # a copy: the batch's buffers go with it
             cols["bad_norm"].append(~np.isfinite(_np(b.column("grad_norm"))))  # an unread norm (null): no flag
-        for b in _batches(d / f.name.replace("steps-", "rows-")):
+        for b in _batches(d / f.name.replace("steps-", "rows-"), row, damaged):
             for k in rows:
                 rows[k].append(_np(b.column(k)).copy())
     if not cols["step"]:

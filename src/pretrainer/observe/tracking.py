@@ -99,7 +99,9 @@ class RunLog:
             if rows and not (self.dir / EVALS).exists():  # a run written before the stream: its evals so far
                 for row in filter(is_eval_row, rows):
                     self._append(EVALS, row)
-            self.counts.update(e["event"] for e in read_jsonl(self.dir / "events.jsonl") if e["event"] in ev.INCIDENTS)
+            self.counts.update(
+                e["event"] for e in read_events(self.dir / "events.jsonl") if e["event"] in ev.INCIDENTS
+            )
 
     def _append(self, name: str, record: dict) -> None:
         if not self.enabled:
@@ -164,18 +166,32 @@ def quiet_known_noise() -> None:
     logging.getLogger("accelerate.utils.other").addFilter(_DropKnownNoise())
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Records of a .jsonl file; a torn last line (a run killed mid-write) is ignored."""
-    out = []
+def iter_jsonl(path: str | Path):
+    """The records of a .jsonl file, streamed; a line that is not a JSON object with an integer `step` (a torn last
+    line of a run killed mid-write, a damaged byte) is skipped, never an error: every jsonl the project writes has a
+    step on every line and is read through here."""
     p = Path(path)
-    if not p.exists():
-        return out
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    if not p.is_file():
+        return
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:  # JSONDecodeError, or a number too long to convert
+                continue
+            if isinstance(row, dict) and type(row.get("step")) is int:
+                yield row
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """`iter_jsonl` as a list."""
+    return list(iter_jsonl(path))
+
+
+def read_events(path: str | Path) -> list[dict]:
+    """The events of an events.jsonl: `read_jsonl`, keeping only the events of a known kind with only its declared
+    fields (a damaged key is a damaged event, not a KeyError in a report)."""
+    return [e for e in iter_jsonl(path) if ev.well_formed(e)]
 
 
 def alert(accelerator, report_to: list[str], title: str, text: str) -> None:
