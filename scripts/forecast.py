@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
 
     def run() -> int:
+        from pathlib import Path
+
         import numpy as np
 
         from pretrainer.analysis import outlook as ol
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
 
         if bool(args.run_dir) == bool(args.curve):
             raise PretrainerError("give a run directory or --curve FILE.csv (one of them)")
+        if args.run_dir and not (Path(args.run_dir) / "recipe.resolved.yaml").is_file():
+            raise PretrainerError(f"{args.run_dir}: not a run directory (no recipe.resolved.yaml)")
         if args.curve:
             curve, recipe = ol.csv_curve(args.curve), None
             peak = None
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
             "fit": f.as_dict(),
         }
         if args.at:
-            steps = [int(s) for s in args.at.split(",")]
+            steps = at_steps(args.at, total)
             v, a, b = predict(f, curve.lr, steps, curve.warmup)
             out["at"] = {
                 str(s): {"value": float(x), "lo": float(y), "hi": float(z)} for s, x, y, z in zip(steps, v, a, b)
@@ -107,6 +111,27 @@ def main(argv=None) -> int:
         return 0
 
     return run_main(run, debug=args.debug, json_out=args.json)
+
+
+def at_steps(text: str, total: int) -> list[int]:
+    """`--at 28000,29000` (1e3 is read as 1000): whole steps within the run's schedule.
+
+    Raises:
+        PretrainerError: one line naming the value."""
+    import math
+
+    from pretrainer.errors import PretrainerError
+
+    out = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value == int(value) and 1 <= value <= total):
+            raise PretrainerError(f"--at: {item.strip()!r} is not a step in 1..{total:,} (the schedule's length)")
+        out.append(int(value))
+    return out
 
 
 def plot(path, f, curve, observed, alts, np):

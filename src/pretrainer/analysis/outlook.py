@@ -10,12 +10,14 @@ only judges evals in the stage the fit ended in, so a stage change is never repo
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import PretrainerError
 from ..observe import events as ev
 from ..recipe.loading import load_recipe
 from ..recipe.schedules import cosine_array, lr_array, wsd_array
@@ -71,21 +73,102 @@ def train_curve(
     return Curve(schedule_of(recipe), steps, loss, recipe.schedule.warmup_steps, offset=True)
 
 
+MAX_CURVE_STEPS = 20_000_000
+"""The longest schedule a CSV may describe (its per-step LR is 160 MB at this length): a damaged step number must not
+become a multi-GB array."""
+
+COLUMNS = {"step": ("step", "_step", "train/step"), "lr": ("lr", "train/lr", "learning_rate"), "loss": ("loss",)}
+"""Accepted header names (case and surrounding quotes or spaces ignored); W&B's exports name the step `Step`."""
+
+
 def csv_curve(path: str | Path, peak: float | None = None) -> Curve:
     """A curve from `step,lr,loss` rows (from W&B or another framework): rows with an empty loss are the planned
-    schedule still to run. LRs are divided by `peak` (default: the file's largest LR); steps are 1-based."""
-    rows = list(csv.DictReader(open(path, newline="")))
-    if not rows or not {"step", "lr", "loss"} <= set(rows[0]):
-        raise ValueError(f"{path}: needs the columns step,lr,loss")
-    steps = np.array([int(float(r["step"])) for r in rows])
-    lr = np.array([float(r["lr"]) for r in rows])
+    schedule still to run. LRs are divided by `peak` (default: the file's largest LR); steps are 1-based, in any row
+    order (the rows are sorted by step; a step given twice is refused).
+
+    Raises:
+        PretrainerError: one line naming the file (and the row and column) for anything it cannot read as a curve.
+    """
+    steps, lr, loss = _csv_rows(Path(path))
+    order = np.argsort(steps, kind="stable")
+    steps, lr, loss = steps[order], lr[order], loss[order]
+    if len(dup := steps[1:][np.diff(steps) == 0]):
+        raise PretrainerError(f"{path}: step {int(dup[0])} is given twice; give each step once")
     peak = peak or float(lr.max())
-    n = int(steps.max())
+    if not peak > 0:
+        raise PretrainerError(f"{path}: no positive lr in column lr: the forecast reads the schedule from it")
+    n = int(steps[-1])
     full = np.interp(np.arange(1, n + 1), steps, lr / peak)  # any logging cadence: the LR between rows interpolated
-    seen = [(s, float(r["loss"])) for s, r in zip(steps, rows) if r["loss"].strip()]
+    seen = ~np.isnan(loss)
     rising = np.flatnonzero(np.diff(full) < 0)
     warmup = int(np.argmax(full)) if len(rising) else 0
-    return Curve(full, np.array([s for s, _ in seen]), np.array([v for _, v in seen]), warmup)
+    return Curve(full, steps[seen], loss[seen], warmup)
+
+
+def _csv_rows(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, lrs, losses: NaN where empty) of a curve CSV, checked cell by cell."""
+    if not path.is_file():
+        raise PretrainerError(f"{path}: {'a directory' if path.is_dir() else 'no such file'}, not a step,lr,loss CSV")
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if not header:
+                raise PretrainerError(f"{path}: empty; a curve CSV has a header row step,lr,loss and one row per step")
+            names = [h.strip().strip('"').strip().lower() for h in header]
+            cols = {}
+            for key, accepted in COLUMNS.items():
+                cols[key] = next((i for i, h in enumerate(names) if h in accepted), None)
+            if None in cols.values():
+                missing = [k for k, i in cols.items() if i is None]
+                raise PretrainerError(
+                    f"{path}: needs the columns step,lr,loss (missing {', '.join(missing)}; found "
+                    f"{', '.join(repr(h) for h in header[:8])}): rename the columns of a W&B export to these"
+                )
+            steps, lr, loss = [], [], []
+            for row_no, row in enumerate(reader, start=2):
+                if not any(c.strip() for c in row):
+                    continue
+                step = _cell(row, cols["step"], path, row_no, "step")
+                if step is None or step != int(step) or not 1 <= step <= MAX_CURVE_STEPS:
+                    raise PretrainerError(
+                        f"{path}: row {row_no}, column step: {_raw(row, cols['step'])!r} is not a step number in "
+                        f"1..{MAX_CURVE_STEPS:,}"
+                    )
+                rate = _cell(row, cols["lr"], path, row_no, "lr")
+                if rate is None or rate < 0:
+                    raise PretrainerError(
+                        f"{path}: row {row_no}, column lr: a learning rate >= 0 is required on every row"
+                    )
+                value = _cell(row, cols["loss"], path, row_no, "loss")
+                steps.append(int(step))
+                lr.append(rate)
+                loss.append(np.nan if value is None else value)
+    except UnicodeDecodeError as e:
+        raise PretrainerError(f"{path}: not UTF-8 text (byte {e.start}): a curve CSV is text") from None
+    except (OSError, csv.Error) as e:
+        raise PretrainerError(f"{path}: cannot be read as CSV: {e}") from None
+    if not steps:
+        raise PretrainerError(f"{path}: a header but no rows; a curve CSV has one row per step")
+    return np.array(steps, np.int64), np.array(lr, float), np.array(loss, float)
+
+
+def _raw(row: list[str], i: int) -> str:
+    return row[i].strip() if i < len(row) else ""
+
+
+def _cell(row: list[str], i: int, path: Path, row_no: int, column: str) -> float | None:
+    """A finite number, or None for an empty cell."""
+    text = _raw(row, i)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise PretrainerError(f"{path}: row {row_no}, column {column}: {text[:40]!r} is not a finite number")
+    return value
 
 
 def calibration_curve(path: str | Path, peak: float | None) -> Curve:
@@ -95,6 +178,10 @@ def calibration_curve(path: str | Path, peak: float | None) -> Curve:
     path = Path(path)
     if path.suffix == ".csv":
         curve = csv_curve(path, peak)
+    elif not (path / "recipe.resolved.yaml").is_file():
+        raise PretrainerError(
+            f"--calibrate {path}: neither a step,lr,loss .csv nor a run directory (no recipe.resolved.yaml)"
+        )
     else:
         curve = run_curve(path)
         if peak is not None:
