@@ -19,7 +19,7 @@ import yaml
 from ..analysis.report import report
 from ..analysis.runfiles import load_run
 from ..checkpoint.identity import PROVENANCE
-from ..errors import PretrainerError
+from ..errors import PretrainerError, first_line
 from ..observe import events as ev
 from ..observe.tracking import RunLog
 from ..recipe.sections import PublishSection
@@ -116,11 +116,18 @@ def push_to_hub(model_dir: str | Path, repo_id: str, private: bool = True, run_d
     """Write the card into `model_dir` and upload the folder to `repo_id` (created if missing); returns the commit
     URL."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from huggingface_hub.utils import validate_repo_id
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise PretrainerError(f"{model_dir}: no config.json: export the checkpoint first")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise PretrainerError(
+            f"--push-to-hub {repo_id!r}: not a Hub repo id (NAME or OWNER/NAME): {first_line(e)}"
+        ) from None
     (model_dir / CARD).write_text(model_card(model_dir, repo_id, run_dir))
     api = HfApi()
     try:
@@ -128,9 +135,26 @@ def push_to_hub(model_dir: str | Path, repo_id: str, private: bool = True, run_d
         info = api.upload_folder(
             folder_path=str(model_dir), repo_id=repo_id, repo_type="model", commit_message="Upload from pretrainer"
         )
-    except (HfHubHTTPError, OSError) as e:
-        raise PretrainerError(f"--push-to-hub {repo_id}: {str(e).splitlines()[0]}") from None
+    except (HfHubHTTPError, HFValidationError, OSError, *_transport_errors()) as e:
+        # huggingface_hub 1.x and 2.x send through httpx, older ones through requests: a network failure is either's
+        raise PretrainerError(
+            f"--push-to-hub {repo_id}: {first_line(e)} (the local export in {model_dir} is complete)"
+        ) from None
     return str(getattr(info, "commit_url", info))
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP clients' own error bases (connection refused, DNS, timeouts), whichever are installed:
+    huggingface_hub 2.x sends through `httpx2`, 1.x through `httpx`, older ones through `requests`."""
+    import importlib
+
+    out: list[type[BaseException]] = []
+    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
+        try:
+            out.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(out)
 
 
 def publish_run(cfg: PublishSection, run_dir: Path, log: RunLog, step: int) -> None:

@@ -141,8 +141,14 @@ class BatchSection(Section):
         # the schedule's first size is the run's `global_batch_tokens` (what a constant-batch reader reads)
         if isinstance(data, dict) and data.get("global_batch_tokens") is None:
             sched = data.get("schedule")
-            if isinstance(sched, list) and sched and isinstance(sched[0], dict):
-                return {**data, "global_batch_tokens": sched[0].get("global_batch_tokens")}
+            first = (
+                sched[0].get("global_batch_tokens")
+                if isinstance(sched, list) and sched and isinstance(sched[0], dict)
+                else None
+            )
+            # only a valid size: an invalid one is the schedule's error alone, not also a field the user never gave
+            if isinstance(first, int) and not isinstance(first, bool) and first >= 1:
+                return {**data, "global_batch_tokens": first}
         return data
 
     @model_validator(mode="after")
@@ -155,6 +161,8 @@ class BatchSection(Section):
         if not sched:
             raise ValueError("schedule: give at least one entry, the first `from_tokens: 0`")
         first = sched[0].global_batch_tokens
+        if self.global_batch_tokens is None:  # a first size `_first_size` left to this check (given as text)
+            self.global_batch_tokens = first
         if sched[0].from_tokens != 0:
             raise ValueError(f"schedule.0.from_tokens: the first size starts at 0, not {sched[0].from_tokens}")
         if self.global_batch_tokens not in (None, first):

@@ -46,8 +46,26 @@ def combined(launcher_rc: int, codes: list[int]) -> int:
     return others[0] if others else 75
 
 
+def launch_problem(args: list[str]) -> str | None:
+    """What is missing among the files `accelerate launch ARGS` would read (its `--config_file`, the training script),
+    in one line; None when they are there. Checked before anything starts: accelerate would fail with a traceback."""
+    for i, a in enumerate(args):
+        if a == "--config_file" or a.startswith("--config_file="):
+            path = a.partition("=")[2] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            if not Path(path).is_file():
+                return f"--config_file {path}: no such file (an accelerate config: accelerate_configs/*.yaml)"
+    script = next((a for a in args if a.endswith(".py") and not a.startswith("-")), None)
+    if script is not None and not Path(script).is_file():
+        return f"{script}: no such script (run from the repository root)"
+    return None
+
+
 def launch(args: list[str]) -> int:
-    """Run `accelerate launch ARGS`, forward SIGTERM/SIGINT to the ranks, return the combined exit code."""
+    """Run `accelerate launch ARGS`, forward SIGTERM/SIGINT to the ranks, return the combined exit code; 2 with one
+    line when a file it needs is missing."""
+    if (problem := launch_problem(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="pretrainer-exit-") as exits:
         env = {**os.environ, EXIT_DIR: exits}
         proc = subprocess.Popen([sys.executable, "-m", "pretrainer.train.launcher", *args], env=env)
