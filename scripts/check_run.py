@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pretrainer.cli import emit_json, run_main, script_parser
+from pretrainer.cli import emit_json, output_file, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +40,11 @@ def main(argv=None) -> int:
         from pretrainer.analysis.runfiles import load_run
         from pretrainer.errors import PretrainerError
 
+        output_file(args.plot, "--plot")
+        if not args.stall_minutes > 0:  # NaN too; inf: never stalled
+            raise PretrainerError(f"--stall-minutes: a positive number of minutes, not {args.stall_minutes}")
+        if args.target is not None and not 0 < args.target < float("inf"):
+            raise PretrainerError(f"--target: a positive finite loss, not {args.target}")
         if not Path(args.output_dir).is_dir():
             raise PretrainerError(f"{args.output_dir}: not a run directory")
         run_data = load_run(args.output_dir)  # read once: a long run's metrics are ~100 MB of JSON

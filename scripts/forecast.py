@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from pretrainer.cli import emit_json, run_main, script_parser
+from pretrainer.cli import emit_json, output_file, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
         from pretrainer.errors import PretrainerError
         from pretrainer.recipe.loading import load_recipe
 
+        output_file(args.plot, "--plot")
         if bool(args.run_dir) == bool(args.curve):
             raise PretrainerError("give a run directory or --curve FILE.csv (one of them)")
         if args.run_dir and not (Path(args.run_dir) / "recipe.resolved.yaml").is_file():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pretrainer.cli import emit_json, run_main, script_parser
+from pretrainer.cli import emit_json, output_file, run_main, script_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,7 +56,17 @@ def main(argv=None) -> int:
             steps = [int(s) for s in args.lr_at.split(",") if s.strip()]
         except ValueError:
             raise PretrainerError(f"--lr-at: expected comma-separated integers, got {args.lr_at!r}") from None
+        output_file(args.plot, "--plot")
+        if args.gpus is not None and args.gpus < 1:
+            raise PretrainerError(f"--gpus: a GPU count of at least 1, not {args.gpus}")
+        for flag, value, top in (("--mfu", args.mfu, 1.0), ("--gpu-memory", args.gpu_memory, None)):
+            if not (value > 0 and (top is None or value <= top) and value != float("inf")):
+                raise PretrainerError(f"{flag}: a positive number{' up to 1' if top else ''}, not {value}")
+        if not 0 < args.peak_tflops < float("inf"):
+            raise PretrainerError(f"--peak-tflops: a positive number, not {args.peak_tflops}")
         recipe = load_recipe(args.recipe, args.overrides, check_model=False)
+        if outside := [s for s in steps if not 0 <= s < recipe.plan.total_steps]:
+            raise PretrainerError(f"--lr-at: step {outside[0]} is outside the run (0..{recipe.plan.total_steps - 1})")
         if args.check_model or model_shape(recipe)[0] is None:
             recipe = load_recipe(args.recipe, args.overrides)
         info = summarize(recipe, steps, available=prepared_tokens(recipe))

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from .errors import PretrainerError
 
@@ -60,6 +61,20 @@ def run_main(fn: Callable[[], int], debug: bool = False, json_out: bool = False)
             for line in rest:  # a list of differences, one per line
                 print(line, file=sys.stderr)
         return e.exit_code
+
+
+def output_file(path: str | None, flag: str) -> None:
+    """Check a file a script will write (`--plot PNG`) before any work: its directory exists, it is not a directory.
+
+    Raises:
+        PretrainerError: one line naming the flag."""
+    if path is None:
+        return
+    p = Path(path)
+    if not path or p.is_dir():
+        raise PretrainerError(f"{flag} {path!r}: give a file name to write (e.g. report.png), not a directory")
+    if not p.parent.is_dir():
+        raise PretrainerError(f"{flag} {path}: the directory {p.parent} does not exist")
 
 
 def script_parser(doc: str | None, recipe: bool | str = True) -> argparse.ArgumentParser:
