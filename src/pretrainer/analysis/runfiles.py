@@ -173,24 +173,34 @@ def eval_rows(run_dir: Path):
     if (run_dir / EVALS).exists():
         yield from iter_jsonl(run_dir / EVALS)
         return
-    for line, m in _rows(run_dir / "metrics.jsonl"):
-        if ('"val/' in line or '"eval/' in line) and is_eval_row(m):  # the text test first: 1M rows
+    for line in _lines(run_dir / "metrics.jsonl"):
+        # the text test before the JSON decoder: 1M rows, a few hundred of them evals
+        if ('"val/' in line or '"eval/' in line) and (m := _decoded(line)) is not None and is_eval_row(m):
             yield m
 
 
-def _rows(path: Path):
-    """(line, record) of a metrics file, streamed (a long run's file is ~100 MB); a torn or damaged line (not an
-    object with an integer step) is skipped."""
+def _lines(path: Path):
+    """The lines of a metrics file, streamed (a long run's file is ~100 MB)."""
     if not path.exists():
         return
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(m, dict) and type(m.get("step")) is int:
-                yield line, m
+        yield from f
+
+
+def _decoded(line: str) -> dict | None:
+    """A metrics line as its record; None for a torn or damaged line (not an object with an integer step)."""
+    try:
+        m = json.loads(line)
+    except ValueError:
+        return None
+    return m if isinstance(m, dict) and type(m.get("step")) is int else None
+
+
+def _rows(path: Path):
+    """(line, record) of a metrics file; a torn or damaged line is skipped."""
+    for line in _lines(path):
+        if (m := _decoded(line)) is not None:
+            yield line, m
 
 
 def spike_rule(recipe: dict[str, Any] | None) -> SpikesSection:

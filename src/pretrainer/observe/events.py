@@ -7,6 +7,8 @@ fields and whether it is an incident (also a metrics row: cumulative `incidents/
 
 from __future__ import annotations
 
+import difflib
+
 
 class EventKind(str):
     fields: frozenset[str]
@@ -32,14 +34,17 @@ ROW_KEYS = frozenset({"event", "step", "time"})
 
 
 def well_formed(row: dict) -> bool:
-    """An event row as a writer writes it: a known kind, an integer step, and either only the kind's declared fields
-    or all of them (a run of an earlier version may carry a field since retired). A damaged key is both an unknown
-    field and a missing one."""
+    """An event row as some writer wrote it: a known kind, an integer step, and no key that reads as a damaged copy of
+    a declared field it lacks (`spike` with `onsgt` and no `onset`). A row of an earlier version, with fields since
+    added or retired, or a partial row a benchmark wrote, still reads."""
     kind = KINDS.get(row.get("event")) if isinstance(row.get("event"), str) else None
     if kind is None or type(row.get("step")) is not int:
         return False
-    keys = row.keys() - ROW_KEYS
-    return kind.open_fields or keys <= kind.fields or kind.fields <= keys
+    if kind.open_fields:
+        return True
+    missing = list(kind.fields - row.keys())
+    extra = row.keys() - kind.fields - ROW_KEYS
+    return not (missing and any(difflib.get_close_matches(k, missing, n=1, cutoff=0.6) for k in extra))
 
 
 def _kind(name: str, fields: tuple[str, ...], doc: str, incident: bool = False, open_fields: bool = False):
