@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ..errors import first_line
 from ..observe import events as ev
 from ..observe.steprecord import Record, read_record
 from ..observe.tracking import EVALS, is_eval_row, iter_jsonl, read_events
@@ -157,7 +158,7 @@ def resolved_recipe(run_dir: Path) -> tuple[dict[str, Any] | None, list[str]]:
     try:
         recipe = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError) as e:
-        return None, [f"{path.name}: {str(e).splitlines()[0][:120]}"]
+        return None, [f"{path.name}: {first_line(e, 120)}"]
     shape_ok = isinstance(recipe, dict) and all(isinstance(v, dict) for k, v in recipe.items() if k != "stages")
     stages = recipe.get("stages") if isinstance(recipe, dict) else None
     if not shape_ok or not (

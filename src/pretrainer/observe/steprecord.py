@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import first_line
+
 DIR = "records"
 FLUSH_ROWS = 16384
 """Most buffered steps written as one batch (~1 MB of host memory while buffered)."""
@@ -200,7 +202,7 @@ def _batches(path: Path, schema, damaged: list[str]):
         if not pa.ipc.read_schema(first).equals(schema):
             raise Damaged("not the record's schema")
     except errors as e:
-        damaged.append(f"{path.name}: {e}")
+        damaged.append(f"{path.name}: {first_line(e, 120)}")
         return
     while True:
         try:
@@ -214,7 +216,7 @@ def _batches(path: Path, schema, damaged: list[str]):
             batch = pa.ipc.read_record_batch(message, schema)
             batch.validate(full=True)
         except errors as e:
-            damaged.append(f"{path.name}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
+            damaged.append(f"{path.name}: {first_line(e, 120)}")
             return
         yield batch
 

@@ -189,8 +189,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def read_events(path: str | Path) -> list[dict]:
-    """The events of an events.jsonl: `read_jsonl`, keeping only the events of a known kind with only its declared
-    fields (a damaged key is a damaged event, not a KeyError in a report)."""
+    """The events of an events.jsonl: `read_jsonl`, keeping only the rows `events.well_formed` reads as events (a
+    damaged kind or key is a damaged event, not a KeyError in a report)."""
     return [e for e in iter_jsonl(path) if ev.well_formed(e)]
 
 

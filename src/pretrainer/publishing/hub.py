@@ -136,7 +136,7 @@ def push_to_hub(model_dir: str | Path, repo_id: str, private: bool = True, run_d
             folder_path=str(model_dir), repo_id=repo_id, repo_type="model", commit_message="Upload from pretrainer"
         )
     except (HfHubHTTPError, HFValidationError, OSError, *_transport_errors()) as e:
-        # huggingface_hub 1.x and 2.x send through httpx, older ones through requests: a network failure is either's
+        # a network failure is the HTTP client's own error, whichever client this huggingface_hub sends through
         raise PretrainerError(
             f"--push-to-hub {repo_id}: {first_line(e)} (the local export in {model_dir} is complete)"
         ) from None

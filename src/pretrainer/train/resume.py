@@ -64,20 +64,18 @@ def continues_plan(allow_change: bool | tuple[str, ...]) -> bool:
     return allow_change is True or any(p.startswith("batch") for p in allow_change or ())
 
 
-def continue_plan(recipe: Recipe, output_dir: Path, spec: str, allow_change: bool | tuple[str, ...]) -> Recipe:
+def continue_plan(recipe: Recipe, found: tuple[Path, dict] | None, allow_change: bool | tuple[str, ...]) -> Recipe:
     """The recipe this resume trains: with `--allow-recipe-change` and another batch plan than the checkpoint's, its
     batch schedule continued from the checkpoint's tokens (`stages.continued_recipe`): a changed plan never replays
-    or skips tokens. Any other recipe is returned as it is (an unallowed change is refused by `recipe_changes`)."""
-    if not continues_plan(allow_change):
-        return recipe
-    if (found := likely_checkpoint(output_dir, spec)) is None:
+    or skips tokens. Any other recipe is returned as it is (an unallowed change is refused by `recipe_changes`).
+    `found`: the checkpoint `likely_checkpoint` found, and its meta."""
+    if found is None or not continues_plan(allow_change):
         return recipe
     path, meta = found
     if (trained := trained_batches(meta)) is None:
         return recipe
     step, tokens = int(meta["step"]), int(meta["tokens"])
-    out = continued_recipe(recipe, step, tokens, trained, f"--resume {path} (step {step}, {tokens:,} tokens)")
-    return out
+    return continued_recipe(recipe, step, tokens, trained, f"--resume {path} (step {step}, {tokens:,} tokens)")
 
 
 def check_position(path: Path, meta: dict, plan: RunPlan, names: list[str], continued: bool = False) -> None:

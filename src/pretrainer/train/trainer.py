@@ -80,7 +80,8 @@ class Trainer:
             its output directory must be a new run's (`rundir.check_new_run_target`)."""
         self.output_dir = Path(output_dir or recipe.output_dir)
         # before anything is built: a resume under another batch plan continues from the checkpoint's tokens
-        recipe = continue_plan(recipe, self.output_dir, resume, allow_recipe_change)
+        self.likely = likely_checkpoint(self.output_dir, resume)  # read once: the plan and the early checks use it
+        recipe = continue_plan(recipe, self.likely, allow_recipe_change)
         self.recipe = recipe
         self.plan = recipe.plan
         self.deep_verify = deep_verify
@@ -107,8 +108,8 @@ class Trainer:
             self.sources = load_sources(recipe, self.tokenizer)
         available = {n: len(s.train.tokens) for n, s in self.sources.items()}  # for the linter's PT014
         self.data_keys = {n: s.key for n, s in self.sources.items()}  # data identity, in every checkpoint
-        if (likely := likely_checkpoint(self.output_dir, self.resume_spec)) is not None:
-            self._resumable(*likely)  # a refusal before anything of the run is written (or built)
+        if self.likely is not None:
+            self._resumable(*self.likely)  # a refusal before anything of the run is written (or built)
         self.findings = lint(recipe, available, fp8_capable()) + launch_findings(recipe, acc, len(self.tokenizer))
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
