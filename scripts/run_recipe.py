@@ -93,6 +93,7 @@ def main(argv=None) -> int:
             allow_data_change=args.allow_data_change,
             deep_verify=args.verify == "deep",
             branch=branch,
+            job_type="branch" if args.branch_decay_from else "train",
         )
         trainer.train(after=partial(publish_run, recipe.publish) if recipe.publish.repo else None)
         return 0

@@ -58,6 +58,8 @@ def test_zero3_two_processes(tmp_path, cache_dir):
     assert ev[0]["event"] == "run_identity" and start["event"] == "run_start" and start["world"] == 2  # num_processes
     assert proc.stdout.count("run micro:") == 1 and proc.stdout.count("done.") == 1  # the main process alone
     assert "2 process(es)" in proc.stdout
+    # torch's FutureWarnings for the collectives ZeRO-3 calls: once per process, not ~54 per rank per step
+    assert (proc.stdout + proc.stderr).count("\n") < 300 and proc.stderr.count("all_gather_into_tensor") <= 2
     val = [m["val/avg"] for m in read_jsonl(out / "metrics.jsonl") if "val/avg" in m]
     assert val[-1] < val[0] - 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")  # gathered from ZeRO-3 shards

@@ -15,7 +15,14 @@ from pretrainer.observe.tracking import read_jsonl, tracked
 from pretrainer.observe.wandb_history import history, offline_files
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["--set", "logging.report_to=[wandb]", "--set", "checkpoint.every_tokens=4096", "--set", "stages.0.steps=24"]
+BASE = [
+    "--set",
+    "logging.report_to=[wandb, tensorboard]",
+    "--set",
+    "checkpoint.every_tokens=4096",
+    "--set",
+    "stages.0.steps=24",
+]
 
 
 def launch(out, cache_dir, *extra, kill_at=None):
@@ -88,6 +95,59 @@ def test_performance_metrics_and_console(killed_and_resumed):
     assert proc.stdout.count("run micro:") == 1 and "resumed from" in proc.stdout
     assert "done." in proc.stdout and "wandb sync" in proc.stdout and "check_run.py" in proc.stdout
     assert "Removed shared tensor" not in proc.stderr
+
+
+def test_tensorboard_plots_against_the_optimizer_step(killed_and_resumed):
+    """TensorBoard has no custom x-axis: its step is the optimizer step (a row number would put step 20 at x=3 in
+    one run and x=4 in another with other eval settings)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, _ = killed_and_resumed
+    by_step = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m}
+    points = []
+    for events in (out / "pretrainer").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        if "loss" in acc.Tags()["scalars"]:
+            points += [(e.step, e.value) for e in acc.Scalars("loss")]
+    assert {s for s, _ in points} >= {5, 10, 20, 24}  # both launches (the killed one flushed what it could)
+    for step, value in points:
+        assert math.isclose(by_step[step]["loss"], value, rel_tol=1e-6), step
+
+
+def test_wandb_run_identity(killed_and_resumed):
+    """Named by the run directory, grouped by the recipe's run.name, a job type, stage and launch tags."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    from pretrainer.observe.wandb_history import records
+
+    out, _ = killed_and_resumed
+    rid = (out / "wandb_id").read_text().strip()
+    runs = []
+    for f in offline_files(out, rid):
+        for raw in records(f):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            if rec.WhichOneof("record_type") == "run":
+                runs.append(rec.run)
+    assert runs and all(r.display_name == "run" and r.run_group == "micro" and r.job_type == "train" for r in runs)
+    assert set(runs[0].tags) == {"stage:main", "launch:single"}
+
+
+def test_check_run_stdout_is_the_report(killed_and_resumed):
+    """Importing Accelerate imports DeepSpeed, whose CPU-detection notice went to stdout ahead of the report."""
+    out, _ = killed_and_resumed
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}  # the notice needs DeepSpeed to detect
+    proc = subprocess.run(
+        [sys.executable, "scripts/check_run.py", str(out), "--verify", "fast"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("verdict: ") and "Setting accelerator" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow  # incidents as tracker rows; the default set holds the tracker history to metrics.jsonl

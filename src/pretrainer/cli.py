@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import PretrainerError
+from .noise import quiet_library_noise
 
 _JSON_FD: int | None = None
 """With `--json`: the real standard output, kept for the one object `emit_json` writes."""
@@ -39,6 +40,7 @@ def run_main(fn: Callable[[], int], debug: bool = False, json_out: bool = False)
     progress bars, loggers that captured `sys.stdout`) cannot come before the object; `emit_json` writes it to the
     real stdout."""
     global _JSON_FD
+    quiet_library_noise()
     if json_out and _JSON_FD is None and _stdout_is_fd1():
         sys.stdout.flush()
         _JSON_FD = os.dup(1)

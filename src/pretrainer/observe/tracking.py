@@ -4,7 +4,6 @@ through Accelerate's trackers."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import netrc
 import os
@@ -78,7 +77,10 @@ class LogReader(Protocol):
 
 class RunLog:
     """Appends one JSON object per line (only the main process writes) and mirrors each metrics row to the
-    trackers at tracker step = its row number in metrics.jsonl, which only grows across resumes and rollbacks."""
+    trackers. W&B's own step is the row number of metrics.jsonl, which only grows across resumes and rollbacks (W&B
+    drops a row whose step is not larger), and its charts use the `train/step` axis declared at init; TensorBoard
+    has no custom axis, so its step is the optimizer step itself (a rollback's replayed steps are drawn again over the
+    same x, as in W&B)."""
 
     def __init__(self, output_dir: Path, accelerator, enabled: bool):
         self.dir = Path(output_dir)
@@ -121,7 +123,9 @@ class RunLog:
             self._append("metrics.jsonl", row)
             if is_eval_row(values):
                 self._append(EVALS, row)
-            self.accelerator.log(tracked(row), step=self.rows)
+            values_tracked = tracked(row)
+            for tracker in self.accelerator.trackers:  # main process only: the others hold none
+                tracker.log(values_tracked, step=self.rows if tracker.name == "wandb" else step)
             self.rows += self.enabled
         if self.reader is not None:
             self.reader.on_metrics(step, values)
@@ -153,17 +157,6 @@ def _seal(path: Path) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
-
-
-class _DropKnownNoise(logging.Filter):
-    """Library warnings that say nothing to our users: tied embeddings are stored once at every save, by design."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Removed shared tensor" not in str(record.msg)
-
-
-def quiet_known_noise() -> None:
-    logging.getLogger("accelerate.utils.other").addFilter(_DropKnownNoise())
 
 
 def iter_jsonl(path: str | Path):

@@ -94,11 +94,38 @@ def rows_held(run, output_dir: Path, rid: str) -> int:
     return max(int(getattr(run, "step", 0) or 0), max(steps) + 1 if steps else 0)
 
 
-def init_trackers(accelerator, recipe, output_dir: Path, log, config: dict) -> None:
-    """Start the recipe's trackers; W&B continues the run directory's one run and gets back what it lacks."""
+JOB_TYPES = ("train", "branch", "critical-batch")
+
+
+def launch_tag(accelerator) -> str:
+    """How the run is launched, as a tag: `single`, `ddp-x8`, `deepspeed-zero3-x16`, `fsdp-x64`."""
+    kind = str(accelerator.distributed_type).split(".")[-1].lower()
+    if kind == "deepspeed":
+        kind = f"deepspeed-zero{accelerator.state.deepspeed_plugin.zero_stage}"
+    elif kind.startswith("multi_"):
+        kind = "ddp"
+    return "single" if accelerator.num_processes == 1 and kind == "no" else f"{kind}-x{accelerator.num_processes}"
+
+
+def run_identity(recipe, output_dir: Path, job_type: str, launch: str) -> dict:
+    """How a run is found among its siblings, the same in both trackers: grouped by its recipe's `run.name` (a
+    branch decay or a batch branch joins its parent's group), named by its run directory, a job type, and tags for
+    its stages and its launch."""
+    if job_type not in JOB_TYPES:
+        raise ValueError(f"job_type {job_type!r}: one of {JOB_TYPES}")
+    tags = [f"stage:{s.name}" for s in recipe.stages] + [f"launch:{launch}"]
+    return {"group": recipe.run.name, "name": Path(output_dir).name, "job_type": job_type, "tags": tags}
+
+
+def init_trackers(accelerator, recipe, output_dir: Path, log, config: dict, job_type: str = "train") -> None:
+    """Start the recipe's trackers; W&B continues the run directory's one run and gets back what it lacks.
+    TensorBoard gets the identity as hyperparameters (`run/group`, `run/job_type`, `run/tags`: its HParams tab
+    filters by them)."""
     wandb = "wandb" in recipe.logging.report_to
     rid = run_id(output_dir) if wandb and accelerator.is_main_process else None
-    init = {"wandb": {"name": recipe.run.name, "dir": str(output_dir), "id": rid, "resume": "allow"}}
+    who = run_identity(recipe, output_dir, job_type, launch_tag(accelerator))
+    init = {"wandb": {**who, "dir": str(output_dir), "id": rid, "resume": "allow"}}
+    config = {**config, "run/group": who["group"], "run/job_type": job_type, "run/tags": ",".join(who["tags"])}
     accelerator.init_trackers(recipe.logging.project, config=config, init_kwargs=init)
     if wandb and (n := attach(accelerator, log, output_dir, rid)):
         log.event(ev.TRACKER_BACKFILL, 0, rows=n)
@@ -115,7 +142,10 @@ def attach(accelerator, log, output_dir: Path, rid: str) -> int:
 
 
 def declare_axes(run) -> None:
-    """Optimizer step and tokens as x-axes; every metric plotted against the optimizer step by default."""
+    """Optimizer step and tokens as x-axes; every metric plotted against the optimizer step by default. The
+    `marker/<kind>` values are steps, not quantities: hidden from the automatic panels (the incident counts,
+    `incidents/<kind>`, are the chart; scripts/wandb_workspace.py lays it out)."""
     for axis in X_AXES:
         run.define_metric(axis)
     run.define_metric("*", step_metric="train/step")
+    run.define_metric("marker/*", step_metric="train/step", hidden=True)

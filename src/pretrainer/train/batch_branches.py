@@ -122,6 +122,7 @@ def measure(
             resume=str(checkpoint),
             allow_recipe_change=BATCH_BRANCH_CHANGES,
             branch=True,
+            job_type="critical-batch",
         )
         with trainer.rundir.released_after():
             loop = trainer.steps()

@@ -22,10 +22,11 @@ from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
 from ..model.build import compute_of
 from ..model.masking import model_inputs
+from ..noise import quiet_library_noise
 from ..observe import events as ev
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
 from ..observe.steprecord import StepRecorder
-from ..observe.tracking import RunLog, alert, quiet_known_noise
+from ..observe.tracking import RunLog, alert
 from ..observe.wandb_history import init_trackers
 from ..recipe.lint import lint
 from ..recipe.loading import flatten, recipe_dict, recipe_hash
@@ -74,10 +75,13 @@ class Trainer:
         allow_data_change: bool = False,
         deep_verify: bool = False,
         branch: bool = False,
+        job_type: str | None = None,
     ):
         """Args:
         branch: `resume` is the checkpoint of another run this one starts from (a branch decay, a batch branch):
-            its output directory must be a new run's (`rundir.check_new_run_target`)."""
+            its output directory must be a new run's (`rundir.check_new_run_target`).
+        job_type: the trackers' job type (`train`, `branch`, `critical-batch`); default `branch` for a branch."""
+        self.job_type = job_type or ("branch" if branch else "train")
         self.output_dir = Path(output_dir or recipe.output_dir)
         # before anything is built: a resume under another batch plan continues from the checkpoint's tokens
         self.likely = likely_checkpoint(self.output_dir, resume)  # read once: the plan and the early checks use it
@@ -101,7 +105,7 @@ class Trainer:
         self.total_steps = self.plan.total_steps
         self.grad_accum = self.plan.grad_accum(int(os.environ.get("WORLD_SIZE", "1")))
         self.accelerator = acc = make_accelerator(recipe, self.output_dir, self.grad_accum)
-        quiet_known_noise()
+        quiet_library_noise()
         quiet_bars_in_files()
         with acc.main_process_first(), preparation_lock(recipe.data.cache_dir, acc.is_main_process):
             self.tokenizer = get_tokenizer(recipe)
@@ -283,7 +287,7 @@ class Trainer:
 
     def _start(self) -> None:
         acc, recipe = self.accelerator, self.recipe
-        init_trackers(acc, recipe, self.output_dir, self.log, config=flatten(self.recipe_plain))
+        init_trackers(acc, recipe, self.output_dir, self.log, flatten(self.recipe_plain), self.job_type)
         restored = self._resume()
         if acc.is_main_process:
             resumed, trackers = str(restored.path) if restored else None, recipe.logging.report_to
