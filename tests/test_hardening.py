@@ -17,6 +17,7 @@ import run_recipe
 import torch
 import yaml
 from conftest import FIXTURES
+from transformers import AutoTokenizer
 
 from pretrainer import checkpoint as ck
 from pretrainer.checkpoint.safe_load import UnsafeCheckpoint, weights_only
@@ -308,14 +309,19 @@ def test_a_tiny_mixture_weight_in_a_later_stage_is_one_line_at_load(tmp_path, ca
 
 def test_a_default_token_id_outside_a_small_vocabulary(tmp_path, cache_dir, capsys):
     """gpt2's default bos/eos (50256) beside a 512-token tokenizer: no transformers warning; the default is dropped
-    (the tokenizer's eos is used); set in the recipe, it is one `error:` line naming the field."""
+    (the tokenizer's bos/eos/pad are used); set in the recipe, it is one `error:` line naming the field."""
     gpt2 = ["--set", "model.config={model_type: gpt2, n_embd: 64, n_layer: 2, n_head: 4, n_positions: 64}"]
     out = tmp_path / "run"
     assert run_recipe.main(cli(out, cache_dir, *gpt2, "--set", "schedule.warmup_steps=1")) == 0
     err = capsys.readouterr().err
     assert "must be `None` or an integer within the vocabulary" not in err
     config = json.loads((out / "final" / "config.json").read_text())
-    assert config["bos_token_id"] is None and 0 <= config["eos_token_id"] < config["vocab_size"] == 512
+    assert 0 <= config["eos_token_id"] < config["vocab_size"] == 512
+    tok = AutoTokenizer.from_pretrained(
+        out / "final"
+    )  # the export's config and tokenizer agree (generation reads both)
+    ids = (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
+    assert ids == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     bad = ["--set", "model.config.bos_token_id=50256"]
     assert run_recipe.main(cli(tmp_path / "bad", cache_dir, *gpt2, *bad, "--set", "schedule.warmup_steps=1")) == 2
     line = one_line_error(capsys)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def build_config(section: ModelSection, vocab_size: int | None = None, **token_ids: int | None) -> PretrainedConfig:
-    """The HF config from `model.config`, with the vocabulary sized to the tokenizer when one is given."""
+    """The HF config from `model.config`, with the vocabulary sized to the tokenizer when one is given, and the
+    special token ids (`token_ids`: bos/eos/pad) the tokenizer's, so an exported config agrees with its tokenizer."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
     cfg: dict[str, Any] = dict(section.config)
@@ -35,6 +36,10 @@ def build_config(section: ModelSection, vocab_size: int | None = None, **token_i
     if section.init_std is not None:
         cfg["initializer_range"] = section.init_std
     cfg.update({k: v for k, v in token_ids.items() if v is not None})
+    # a tokenizer without a BOS: no BOS in the config either (a model type's default, e.g. Llama's 1, would name
+    # another token to generation and downstream tools)
+    if "bos_token_id" in token_ids and token_ids["bos_token_id"] is None:
+        cfg["bos_token_id"] = None
     try:
         with _config_logs_quiet():  # its token-id warning is superseded by the check below
             config = AutoConfig.for_model(model_type, trust_remote_code=section.trust_remote_code, **cfg)

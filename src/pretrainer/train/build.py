@@ -56,7 +56,11 @@ def build(recipe: Recipe, accelerator, tokenizer, plan: RunPlan, grad_accum: int
     set_seed(recipe.run.seed)  # the same initial weights on every rank and every run
     tok = tokenizer
     config = build_config(
-        recipe.model, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        recipe.model,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     with weights_from_the_seed(accelerator):
         model = build_model(recipe.model, config)
