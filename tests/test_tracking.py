@@ -1,6 +1,7 @@
 """W&B (offline) read back with wandb's own protobuf schema: one run per training run, a history equal to
 metrics.jsonl across a kill and a resume, rollbacks and skips on the dashboard; the performance metrics."""
 
+import json
 import math
 import os
 import signal
@@ -132,6 +133,25 @@ def test_wandb_run_identity(killed_and_resumed):
                 runs.append(rec.run)
     assert runs and all(r.display_name == "run" and r.run_group == "micro" and r.job_type == "train" for r in runs)
     assert set(runs[0].tags) == {"stage:main", "launch:single"}
+
+
+def test_workspace_plots_every_quantity_the_run_logged(killed_and_resumed, capsys):
+    """scripts/wandb_workspace.py's layout, from a real run's keys: every panel draws keys the run logged, and every
+    key the run logged is on some panel, except the axes, the markers (steps) and the standard errors."""
+    import wandb_workspace
+
+    from pretrainer.observe.dashboard import X_AXIS, plotted, workspace_spec
+
+    out, _ = killed_and_resumed
+    keys = set().union(*(tracked(m) for m in read_jsonl(out / "metrics.jsonl")))
+    spec = workspace_spec(keys)
+    assert plotted(spec) <= keys
+    left = {k for k in keys - plotted(spec) if not k.startswith("marker/") and not k.endswith("_se")}
+    assert left == {"train/step", "train/tokens"}
+    assert all(p["x"] in (X_AXIS, "train/tokens") for s in spec for p in s["panels"])
+    assert wandb_workspace.main([str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["sections"] == spec and printed["project"] == "pretrainer"
 
 
 def test_check_run_stdout_is_the_report(killed_and_resumed):
