@@ -4,7 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 RECIPE ?= recipes/tiny.yaml
-RUN_ARGS ?= --overwrite
+RUN_ARGS ?=
+# Which torch build `make install` puts in the venv (torch==2.13.0 either way; docs/CLUSTER.md):
+#   TORCH=cpu   (default) the CPU build from torch's own CPU index: laptops, CI, CPU nodes (one 192 MB wheel)
+#   TORCH=cuda  the package index's default Linux build, for GPU nodes (CUDA 13: 527 MB + 2.2 GB of nvidia wheels)
+#   TORCH=pip   whatever your pip configuration serves (a mirror, a local wheel directory, a torch already in the venv)
+TORCH ?= cpu
+TORCH_FROM_cpu := --index-url https://download.pytorch.org/whl/cpu
+TORCH_FROM_cuda :=
+TORCH_FROM_pip :=
 PYTEST_ARGS ?=
 
 .PHONY: install run test test-slow style quality bench clean
@@ -14,8 +22,9 @@ install: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	# torch==2.13.0 first, so nothing below pulls a multi-GB CUDA build by accident
-	$(PY) -m pip install torch==2.13.0
+	$(if $(filter $(TORCH),cpu cuda pip),,$(error TORCH=$(TORCH): choose cpu, cuda or pip))
+	# torch first, from the chosen index: the requirements below then find it installed and pull no other build
+	$(PY) -m pip install torch==2.13.0 $(TORCH_FROM_$(TORCH))
 	$(PY) -m pip install -r requirements.txt
 	$(PY) -m pip install --no-deps -e .
 	touch $(STAMP)

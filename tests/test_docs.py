@@ -1,6 +1,7 @@
 """The documentation cannot drift: the recipe reference is the schema's own text, every recipe field is documented,
 and the README stays a five-minute read whose links resolve."""
 
+import os
 import re
 from pathlib import Path
 
@@ -75,3 +76,27 @@ def test_the_launch_table_names_tests_that_exist():
     table = section[section.index("| feature") : section.index("\n\n- ")]
     defined = set(re.findall(r"\b([A-Z]\d)\s+`tests/", section))
     assert set(re.findall(r"\b([A-Z]\d)\b", table)) <= defined  # every code a cell uses points to a test
+
+
+def test_make_install_takes_the_documented_torch_build():
+    """`TORCH=cpu` (the default) installs from torch's CPU index, `cuda` from the package index, `pip` from the
+    configured sources; anything else stops before installing (`make -n`: the commands, nothing run)."""
+    import subprocess
+
+    def torch_line(*args: str) -> str:
+        proc = subprocess.run(
+            ["make", "-n", "-B", "install", "VENV=/nonexistent/venv", *args], cwd=ROOT, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        return next(line for line in proc.stdout.splitlines() if "install torch==" in line)
+
+    cpu = "--index-url https://download.pytorch.org/whl/cpu"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH"}  # .ci/run exports TORCH=pip
+    assert cpu in torch_line("TORCH=cpu") and cpu not in torch_line("TORCH=cuda")
+    assert "--index-url" not in torch_line("TORCH=pip")
+    proc = subprocess.run(["make", "-n", "-B", "install", "TORCH=gpu"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "TORCH=gpu: choose cpu, cuda or pip" in proc.stderr
+    default = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert cpu in default.stdout  # no TORCH given: the CPU build
+    readme = (ROOT / "README.md").read_text()
+    assert "TORCH=cpu" in readme and "TORCH=cuda" in readme and "TORCH=pip" in readme
