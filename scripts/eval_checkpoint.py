@@ -48,12 +48,14 @@ def main(argv=None) -> int:
         from pretrainer.errors import PretrainerError
         from pretrainer.evaluation.downstream import lm_eval_scores
         from pretrainer.evaluation.offline import context_report, file_texts, loaded_model, recipe_texts, run_recipe_of
+        from pretrainer.noise import quiet_bars_in_files
 
         if not (args.context or args.tasks):
             raise PretrainerError("nothing to do: give --context and/or --tasks")
         if not Path(args.model).is_dir():
             raise PretrainerError(f"{args.model}: not a model or checkpoint directory")
         out: dict = {"model": args.model}
+        quiet_bars_in_files()  # transformers' weight-loading bar, in a file, is a line of carriage returns
         with loaded_model(args.model, args.device, args.dtype) as (model, tokenizer, _):
             if args.context:
                 recipe = args.recipe or (None if args.text else run_recipe_of(Path(args.model).resolve()))

@@ -34,6 +34,9 @@ def main(argv=None) -> int:
 
     def run() -> int:
         from pretrainer.checkpoint.export import export_checkpoint
+        from pretrainer.noise import quiet_bars_in_files
+
+        quiet_bars_in_files()
 
         out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merged)
         print(out)

@@ -205,7 +205,11 @@ def test_critical_batch_measures_branches_and_check_run_reports_them(grown, tmp_
     out = tmp_path / "cbs"
     argv = [str(ckpt), "--set", f"data.cache_dir={cache_dir}", "--factors", "1", "4", "--tokens", "8192"]
     assert critical_batch.main([*argv, "--out", str(out), "--json"]) == 0
-    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # after the branches' progress lines
+    printed = capsys.readouterr().out
+    r = json.loads(printed.strip().splitlines()[-1])  # after the branches' progress lines
+    # each branch says where it is, and the parent's whole plan is not printed again per branch
+    assert "branch 1 of 2 (x1): 8 steps of 1,024 tokens from step 12" in printed and "branch 2 of 2 (x4)" in printed
+    assert " stage main " not in printed
     assert r["sizes"] == [1024, 4096] and r["branch_tokens"] == 8192 and r["step"] == 12
     assert r["lo"] <= r["cbs_tokens"] <= r["hi"] and r["suggested"].startswith("batch.schedule=[")
     for k, steps in ((1, 8), (4, 2)):  # the same tokens: 8 steps of 1,024, 2 of 4,096
@@ -218,6 +222,7 @@ def test_critical_batch_measures_branches_and_check_run_reports_them(grown, tmp_
     report = json.loads(capsys.readouterr().out)
     assert report["critical_batch"]["measured"][0]["cbs_tokens"] == r["cbs_tokens"]
     assert report["critical_batch"]["lines"][0].startswith("critical batch at step 12:")
+    assert report["critical_batch"]["lines"][-1].startswith("  the batch ")  # what to do, said once
     # a torn last line (a kill mid-append) is skipped by every reader of the file, not a JSONDecodeError
     with open(grown / "critical_batch.jsonl", "a") as f:
         f.write('{"checkpoint": "x", "step": 1')

@@ -6,7 +6,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "pretrainer"
 
-LEAVES = {"errors", "files", "runtime", "faults", "stats", "strict"}
+LEAVES = {"errors", "files", "runtime", "faults", "stats", "strict", "noise"}
 """Cross-cutting modules at the top of the package; they import no subpackage."""
 RANKS = {
     **dict.fromkeys(LEAVES, 0),

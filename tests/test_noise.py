@@ -34,3 +34,15 @@ def test_deepspeed_cpu_notice_dropped():
     other = logging.LogRecord("DeepSpeed", logging.WARNING, __file__, 1, "ZeRO stage 3 enabled", (), None)
     assert not logger.filter(record) and logger.filter(other)
     assert len([f for f in logger.filters if isinstance(f, noise._Drop)]) == 1
+
+
+def test_torch_elastic_failure_line_dropped_for_a_preemption_only():
+    noise.quiet_preempted_ranks()
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    template = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+
+    def record(code):
+        return logging.LogRecord(logger.name, logging.ERROR, __file__, 1, template, (code, 0, 123, "python"), None)
+
+    assert not logger.filter(record(75))  # saved and stopped as asked: the rank said so in one line
+    assert logger.filter(record(1)) and logger.filter(record(2))  # a crash or bad input stays

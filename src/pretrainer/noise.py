@@ -9,12 +9,16 @@ again (idempotent) for code that builds a Trainer directly. What is quieted, and
 - torch's FutureWarnings for `all_gather_into_tensor` / `reduce_scatter_tensor`, which DeepSpeed ZeRO-3 calls ~54
   times per rank per step: each shown once per process, not once per call (a ZeRO-3 week would write gigabytes).
 - Accelerate's "Removed shared tensor" warning at every save of a model with tied embeddings (stored once by design).
+- Outside a terminal (`quiet_bars_in_files`), the libraries' progress bars: they write carriage returns into a log.
+- In the launcher (`quiet_preempted_ranks`), torch elastic's `failed (exitcode: 75)` for ranks that saved and exited
+  on a preemption, as they are asked to.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import sys
 import warnings
 
 _DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
@@ -29,7 +33,10 @@ class _Drop(logging.Filter):
         self.phrases = phrases
 
     def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
+        try:
+            msg = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit the message: judge the template
+            msg = str(record.msg)
         return not any(p in msg for p in self.phrases)
 
 
@@ -43,6 +50,12 @@ def quiet_library_noise() -> None:
     logging.getLogger("DeepSpeed").addFilter(_Drop("Setting accelerator to CPU"))
     logging.getLogger("accelerate.utils.other").addFilter(_Drop("Removed shared tensor"))
     warnings.showwarning = _once_per_text(warnings.showwarning)
+
+
+def quiet_preempted_ranks() -> None:
+    """In the launcher process: torch elastic logs `failed (exitcode: 75)` for ranks that were preempted and saved,
+    as if they had crashed; each rank already said `preempted at step N: checkpoint saved`. Other exit codes stay."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_Drop("(exitcode: 75)"))
 
 
 def _once_per_text(show):
@@ -60,3 +73,25 @@ def _once_per_text(show):
         show(message, category, filename, lineno, file, line)
 
     return showwarning
+
+
+def quiet_bars_in_files() -> None:
+    """When stdout or stderr is not a terminal (a Slurm log, `make run > log.txt`, `2> err.txt`), the progress bars
+    of the libraries we call (loading weights, preparing data, saving shards) are off: in a file they are lines of
+    carriage returns. Called before the work that would draw them."""
+    if _isatty(sys.stdout) and _isatty(sys.stderr):
+        return
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -133,6 +133,15 @@ def eval_scatter(vals: list[tuple[int, float]], last: int = 10) -> float:
     return diff_scatter(v) if len(v) >= 8 else 0.0
 
 
+def downstream_of(values: dict[str, Any]) -> dict[str, float]:
+    """The lm-eval scores of a metrics row (`eval/<task>/<metric>`; not the eval timings)."""
+    return {
+        k: v
+        for k, v in values.items()
+        if k.startswith("eval/") and k.count("/") >= 2 and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
 class HealthMonitor:
     """The live verdict during training, fed incrementally from the records the run logs (the `RunLog`'s reader),
     so a check costs no file I/O; seeded once from a resumed run's files. The same `verdict` as check_run.py."""
@@ -144,6 +153,8 @@ class HealthMonitor:
         self.incidents: list[dict] = []
         self.context: dict | None = None
         """The latest `context` event's details (loss by position and its verdict)."""
+        self.downstream: dict[int, dict[str, float]] = {}
+        """lm-eval's scores (`eval/<task>/<metric>`) by step, for the end of the run's story."""
         if output_dir is not None:
             run = load_run(output_dir)
             self.losses.update(run.losses)  # (step, loss) pairs
@@ -151,8 +162,11 @@ class HealthMonitor:
             self.val_se.update((m["step"], m[ev.VAL_REF_SE]) for m in run.evals if ev.VAL_REF_SE in m)
             self.incidents = [e for e in run.events if e["event"] in (ev.SPIKE, ev.ROLLBACK)]
             self.context = next((e for e in reversed(run.events) if e["event"] == ev.CONTEXT), None)
+            self.downstream.update((m["step"], d) for m in run.evals if (d := downstream_of(m)))
 
     def on_metrics(self, step: int, values: dict[str, Any]) -> None:
+        if d := downstream_of(values):
+            self.downstream[step] = d
         if ev.VAL_REF in values or ev.VAL_AVG in values:
             self.val[step] = val_of(values)
             if (se := values.get(ev.VAL_REF_SE)) is not None:

@@ -111,7 +111,7 @@ def measure(
     want = branch_tokens(recipe, step, factors, tokens)
     check_branch_dirs([out_dir / f"x{k}" for k in factors], meta.get("run_id"))
     rows, dirs, trained = [], [], []
-    for k in factors:
+    for i, k in enumerate(factors, 1):
         branch = branch_batch_recipe(recipe, step, k)
         steps = want // (k * size)
         where = out_dir / f"x{k}"
@@ -124,6 +124,13 @@ def measure(
             branch=True,
             job_type="critical-batch",
         )
+        trainer.progress_total, trainer.progress_label = step + steps, f"branch {i} of {len(factors)} (x{k})"
+        if trainer.accelerator.is_main_process:
+            print(
+                f"branch {i} of {len(factors)} (x{k}): {steps:,} steps of {k * size:,} tokens from step {step:,} "
+                f"into {where}",
+                flush=True,
+            )
         with trainer.rundir.released_after():
             loop = trainer.steps()
             for done in loop:

@@ -17,11 +17,19 @@ from ..observe import events as ev
 from ..recipe.loading import dump_recipe
 
 
-def announce(recipe, output_dir: Path, findings: list) -> None:
-    """Write the resolved recipe into the run directory and warn about the linter's findings."""
+def announce(recipe, output_dir: Path, findings: list, inherited: list = ()) -> None:
+    """Write the resolved recipe into the run directory and warn about the linter's findings. `inherited`: a
+    branch's (a decay's, a batch branch's) recipe findings, which were its parent's to act on: named in one line
+    rather than repeated as warnings the branch cannot follow."""
     dump_recipe(recipe, Path(output_dir) / "recipe.resolved.yaml")
     for f in findings:
         print(f"warning: {f}", file=sys.stderr)
+    if inherited:
+        ids = ", ".join(sorted({f.id for f in inherited}))
+        print(
+            f"note: lint findings {ids} are the parent recipe's; the branch continues the parent as trained",
+            file=sys.stderr,
+        )
 
 
 def start_block(recipe, n_params: int, world: int, trackers: list[str], output_dir: Path, resumed: str | None) -> str:
@@ -46,8 +54,14 @@ def start_block(recipe, n_params: int, world: int, trackers: list[str], output_d
 
 
 def end_block(
-    output_dir: Path, val: dict[int, Any], counts: dict[str, int], trackers: list[str], context: dict | None = None
+    output_dir: Path,
+    val: dict[int, Any],
+    counts: dict[str, int],
+    trackers: list[str],
+    context: dict | None = None,
+    downstream: dict[int, dict[str, float]] | None = None,
 ) -> str:
+    """The run's closing story. `downstream`: lm-eval's scores by step (the first and the last are shown)."""
     checkpoints = [c.path.name for c in list_checkpoints(Path(output_dir) / "checkpoints")]
     finite = {s: v for s, v in val.items() if isinstance(v, int | float)}
     lines = ["done."]
@@ -58,6 +72,12 @@ def end_block(
             f"validation loss (val/ref): final {finite[last]:.4f} (step {last:,}), best {finite[best]:.4f} "
             f"(step {best:,})"
         )
+    if downstream:
+        first, last = min(downstream), max(downstream)
+        for key, value in sorted(downstream[last].items()):
+            was = downstream[first].get(key) if first != last else None
+            since = f" ({was:.5g} at step {first:,})" if isinstance(was, int | float) else ""
+            lines.append(f"downstream {key.removeprefix('eval/')}: {value:.5g} (step {last:,}){since}")
     if context:  # the latest loss-by-position verdict
         lines.append(f"context (step {context['step']:,}): {context['verdict']}")
     shown = (ev.SPIKE, ev.ROLLBACK, ev.SKIP, ev.TRANSIENT, ev.SKIPPED_UPDATE, ev.RESUME)
@@ -84,11 +104,11 @@ class Progress:
     logging step (step/total, loss, LR, tokens/s, ETA) and one per eval (its validation losses) on stdout, and the
     libraries' own progress bars (transformers, datasets, the hub) are switched off."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, stream=None):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, initial: int, enabled: bool, stream=None, label: str = "train"):
+        self.total, self.enabled, self.label = total, enabled, label
         self.stream = stream or sys.stdout
         self.lines = enabled and not _isatty(self.stream)
-        self.bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines, desc="train")
+        self.bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines, desc=label)
 
     def step(self, n: int) -> None:
         """The run is at step `n` (after a step, or back after a rollback): the bar redraws at most 10 times a
@@ -101,7 +121,8 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", refresh=False)
             return
         eta = _eta((self.total - step) * record.get("step_time_s", math.nan))
-        self._line(f"step {step:,}/{self.total:,} loss {loss:.4f} lr {lr:.2e} tok/s {tps:,.0f} eta {eta}")
+        where = "" if self.label == "train" else f"{self.label}, "
+        self._line(f"{where}step {step:,}/{self.total:,} loss {loss:.4f} lr {lr:.2e} tok/s {tps:,.0f} eta {eta}")
 
     def evaluated(self, step: int, values: dict[str, Any]) -> None:
         keys = [k for k in values if k.startswith("val/") and not k.endswith("_se")]
@@ -109,6 +130,11 @@ class Progress:
         shown = [f"{k} {values[k]:.4f}" for k in sorted(keys, key=lambda k: first.get(k, 2))]
         if self.enabled and shown:
             self._line(f"eval at step {step:,}: " + ", ".join(shown))
+
+    def note(self, text: str) -> None:
+        """A line before a long quiet stretch (an lm-eval pass, the first eval), so the log says what it waits on."""
+        if self.enabled:
+            self._line(text)
 
     def _line(self, text: str) -> None:
         line = f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S} {text}"
@@ -132,17 +158,3 @@ def _eta(seconds: float) -> str:
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
     return str(datetime.timedelta(seconds=round(seconds)))
-
-
-def quiet_bars_in_files() -> None:
-    """Outside a terminal, the progress bars of the libraries we call (preparing data, saving shards) are off: they
-    write carriage returns too. Called before the data is prepared."""
-    if _isatty(sys.stdout):
-        return
-    import datasets
-    import huggingface_hub
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    huggingface_hub.utils.disable_progress_bars()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from ..noise import quiet_preempted_ranks
+
 EXIT_DIR = "PRETRAINER_EXIT_DIR"
 
 
@@ -97,6 +99,8 @@ def accelerate_launch(argv: list[str]) -> int:
     accelerate's `CalledProcessError` traceback (one process, DeepSpeed) or torch elastic's `ChildFailedError`
     (several) would only repeat it as a traceback. Run by `launch` as `python -m pretrainer.train.launcher`."""
     from accelerate.commands.launch import launch_command, launch_command_parser
+
+    quiet_preempted_ranks()
 
     # A signal to the whole process group (Slurm, `timeout`, Ctrl-C) reaches the ranks, which save and exit 75:
     # this process waits for them instead of dying first (a handler, not SIG_IGN, which the ranks would inherit).

@@ -22,7 +22,7 @@ from ..evaluation.validation import Evaluator, eval_due, sample_losses
 from ..faults import kill_point
 from ..model.build import compute_of
 from ..model.masking import model_inputs
-from ..noise import quiet_library_noise
+from ..noise import quiet_bars_in_files, quiet_library_noise
 from ..observe import events as ev
 from ..observe.meters import LossStats, StepWindow, mfu, peak_tflops, train_record
 from ..observe.steprecord import StepRecorder
@@ -38,7 +38,7 @@ from ..stability.skip_step import SkipStep
 from .accelerator import launch_findings, make_accelerator
 from .averaging import WeightAverage
 from .build import build
-from .console import Progress, announce, end_block, quiet_bars_in_files, start_block
+from .console import Progress, announce, end_block, start_block
 from .evals import EvalRound
 from .hooks import FaultHook, LayerHook, NoiseHook, ProbeHook, StepHook, ZLossHook
 from .inject import StepFaults, stage_batches, wants_step_faults
@@ -82,6 +82,9 @@ class Trainer:
             its output directory must be a new run's (`rundir.check_new_run_target`).
         job_type: the trackers' job type (`train`, `branch`, `critical-batch`); default `branch` for a branch."""
         self.job_type = job_type or ("branch" if branch else "train")
+        self.progress_total: int | None = None
+        """Where the progress line counts to (a batch branch stops early: its own last step), and its label."""
+        self.progress_label = "train"
         self.output_dir = Path(output_dir or recipe.output_dir)
         # before anything is built: a resume under another batch plan continues from the checkpoint's tokens
         self.likely = likely_checkpoint(self.output_dir, resume)  # read once: the plan and the early checks use it
@@ -114,14 +117,17 @@ class Trainer:
         self.data_keys = {n: s.key for n, s in self.sources.items()}  # data identity, in every checkpoint
         if self.likely is not None:
             self._resumable(*self.likely)  # a refusal before anything of the run is written (or built)
-        self.findings = lint(recipe, available, fp8_capable()) + launch_findings(recipe, acc, len(self.tokenizer))
+        recipe_findings = lint(recipe, available, fp8_capable())
+        self.findings = recipe_findings + launch_findings(recipe, acc, len(self.tokenizer))
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
         acc.wait_for_everyone()
         self.log = RunLog(self.output_dir, acc, enabled=acc.is_main_process)
         self.identity = run_identity(acc, self.output_dir, self.resume_spec, recipe.checkpoint.remote, self.log)
         if acc.is_main_process:
-            announce(recipe, self.output_dir, self.findings)
+            # a branch continues its parent as trained: the recipe's findings were the parent's to act on
+            inherited = recipe_findings if self.job_type != "train" else []
+            announce(recipe, self.output_dir, [f for f in self.findings if f not in inherited], inherited)
         self._build_parts()
 
     def _build_model(self) -> None:
@@ -262,7 +268,7 @@ class Trainer:
         self.accelerator.end_training()
         if self.health is not None:
             h, trackers = self.health, self.recipe.logging.report_to
-            print(end_block(self.output_dir, h.val, self.log.counts, trackers, h.context))
+            print(end_block(self.output_dir, h.val, self.log.counts, trackers, h.context, h.downstream))
         return self.last
 
     def steps(self):
@@ -289,7 +295,7 @@ class Trainer:
         acc, recipe = self.accelerator, self.recipe
         init_trackers(acc, recipe, self.output_dir, self.log, flatten(self.recipe_plain), self.job_type)
         restored = self._resume()
-        if acc.is_main_process:
+        if acc.is_main_process and self.job_type != "critical-batch":  # a batch branch: critical_batch.py says it
             resumed, trackers = str(restored.path) if restored else None, recipe.logging.report_to
             print(
                 start_block(recipe, self.n_params, acc.num_processes, trackers, self.output_dir, resumed), flush=True
@@ -306,10 +312,12 @@ class Trainer:
             )
             if self.findings:
                 self.log.event(ev.LINT, 0, findings=[f.to_dict() for f in self.findings])
-        self.progress = Progress(self.total_steps, self.state.step, enabled=acc.is_main_process)
+        total = self.progress_total or self.total_steps
+        self.progress = Progress(total, self.state.step, acc.is_main_process, label=self.progress_label)
         if recipe.eval.every_steps and restored is None:
             # The baseline at initialisation: every later validation loss is read against it.
             first = self.spans[0]
+            self.progress.note(self._eval_note(0))
             vals = self.evals.baseline(first)
             self.log.metrics(0, {"tokens": 0, "stage": first.name, **vals})
             self.progress.evaluated(0, vals)
@@ -319,6 +327,13 @@ class Trainer:
             )
         self.window = StepWindow()
         self.save_clock.mark()
+
+    def _eval_note(self, step: int) -> str:
+        lm = self.recipe.eval.lm_eval
+        what = "held-out losses" + (f" and lm-eval ({', '.join(lm.tasks)})" if self.evals.downstream.due(step) else "")
+        return f"evaluating at step {step:,}: {what}" + (
+            " (the baseline every later eval is read against)" * (step == 0)
+        )
 
     def _enter_stage(self) -> None:
         """At a stage boundary (or after a resume or rollback): pick the stage, its batches and its RoPE."""
@@ -491,6 +506,8 @@ class Trainer:
             self.progress.logged(st.step, self.last, self.lr)
         now, context = eval_due(self.recipe, st.step, span)
         if now:  # held-out losses, merged weights, downstream, forecast, verdict
+            if self.evals.downstream.due(st.step):  # minutes of quiet otherwise
+                self.progress.note(self._eval_note(st.step))
             vals = self.evals(st.step, st.tokens, span, context)
             self.last.update(vals)
             self.progress.evaluated(st.step, vals)
