@@ -58,9 +58,10 @@ def main(argv=None) -> int:
         if args.plot:
             from pretrainer.analysis.plots import plot_run
 
-            r["plot"] = str(plot_run(args.output_dir, args.plot))
+            r["plot"] = str(plot_run(args.output_dir, args.plot, report=r))
         text = format_report(r) + "".join(f"\nforecast: {line}" for line in r.get("forecast", {}).get("lines", []))
         text += f"\naveraging: {mr['line']}" if mr is not None else ""
+        text += f"\nplot: {r['plot']}" if args.plot else ""
         emit_json(r) if args.json else print(text)
         return 0
 

@@ -3,7 +3,7 @@ points, the fitted curve and its band, and the final loss under other schedules 
 
     python scripts/forecast.py runs/tiny                                  # table of schedules and their final loss
     python scripts/forecast.py runs/tiny --fit-until 100 --plot fc.png    # fit on evals up to step 100 only
-    python scripts/forecast.py runs/tiny --calibrate runs/tiny-decay-100  # a branch decay calibrates the decay gain
+    python scripts/forecast.py runs/tiny --calibrate runs/tiny-decay      # a branch decay calibrates the decay gain
     python scripts/forecast.py runs/tiny --json --at 150,200              # {"final": {value, lo, hi}, "at": {...}}
     python scripts/forecast.py --curve run.csv --calibrate old.csv        # step,lr,loss rows from W&B or elsewhere
     python scripts/forecast.py runs/tiny --train-loss                     # the per-step training loss beside val/ref
@@ -93,7 +93,13 @@ def main(argv=None) -> int:
             v, a, b = predict(f, lr, [total], curve.warmup)
             out["schedules"][name] = {"value": float(v[0]), "lo": float(a[0]), "hi": float(b[0])}
         if args.plot:
-            out["plot"] = str(plot(args.plot, f, curve, observed, alts, np))
+            fv = out["final"]
+            name = Path(args.run_dir).resolve().name if args.run_dir else Path(args.curve).name
+            title = (
+                f"{name}: final val/ref at step {total:,} {fv['value']:.4f} [{fv['lo']:.4f}, {fv['hi']:.4f}] (90%)\n"
+                f"{f.law} law, {f.mode}, fitted on {f.points} evals up to step {f.fit_step:,}"
+            )
+            out["plot"] = str(plot(args.plot, f, curve, observed, alts, np, title))
         if args.json:
             emit_json(out)
             return 0
@@ -109,6 +115,8 @@ def main(argv=None) -> int:
                 print(f"  {name:<24} {r['value']:.4f} [{r['lo']:.4f}, {r['hi']:.4f}]")
         for note in f.notes:
             print(f"note: {note}")
+        if args.plot:
+            print(f"plot: {out['plot']}")
         return 0
 
     return run_main(run, debug=args.debug, json_out=args.json)
@@ -135,7 +143,10 @@ def at_steps(text: str, total: int) -> list[int]:
     return out
 
 
-def plot(path, f, curve, observed, alts, np):
+def plot(path, f, curve, observed, alts, np, title=""):
+    """The observed points, the fit under the run's own schedule with its 90% band, the alternatives. Drawn from
+    the first eval after step 0: the law is fitted there and says nothing about the untrained start (where its band
+    blew up), and the y-axis holds every point drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,19 +154,33 @@ def plot(path, f, curve, observed, alts, np):
 
     from pretrainer.analysis.forecast import predict
 
-    steps = np.unique(np.linspace(1, len(curve.lr), 400).astype(int))
-    fig, ax = plt.subplots(figsize=(8, 5))
+    seen_steps, seen = np.asarray(observed[0], float), np.asarray(observed[1], float)
+    first = int(seen_steps[seen_steps > 0].min()) if (seen_steps > 0).any() else 1
+    steps = np.unique(np.linspace(max(first, 1), len(curve.lr), 400).astype(int))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     v, lo, hi = predict(f, curve.lr, steps, curve.warmup)
     ax.fill_between(steps, lo, hi, alpha=0.2, color="C0", label="90% band")
     ax.plot(steps, v, color="C0", label="fit (own schedule)")
+    drawn = [v, lo, hi]
     for i, (name, lr) in enumerate(alts.items()):
-        ax.plot(steps, predict(f, lr, steps, curve.warmup)[0], lw=0.8, ls="--", color=f"C{i + 2}", label=name)
-    ax.scatter(*observed, s=10, color="k", label="val/ref observed", zorder=3)
-    ax.axvline(f.fit_step, color="grey", lw=0.8, ls=":")
+        alt = predict(f, lr, steps, curve.warmup)[0]
+        ax.plot(steps, alt, lw=0.8, ls="--", color=f"C{i + 2}", label=name)
+        drawn.append(alt)
+    shown = seen_steps >= first
+    fitted = shown & (seen_steps <= f.fit_step)
+    ax.scatter(seen_steps[fitted], seen[fitted], s=14, color="k", label="val/ref (fitted)", zorder=3)
+    if (held := shown & (seen_steps > f.fit_step)).any():  # what --fit-until held back: the forecast's check
+        ax.scatter(seen_steps[held], seen[held], s=22, facecolors="none", edgecolors="k", label="val/ref (held out)")
+    ax.axvline(f.fit_step, color="grey", lw=0.8, ls=":", label=f"fitted up to step {f.fit_step:,}")
+    values = np.concatenate([*drawn, seen[shown]])
+    values = values[np.isfinite(values)]
+    if len(values):
+        pad = 0.05 * max(float(values.max() - values.min()), 1e-3)
+        ax.set_ylim(float(values.min()) - pad, float(values.max()) + pad)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("val/ref")
-    lo_y = float(np.nanmin(observed[1])) if len(observed[1]) else float(v.min())
-    ax.set_ylim(lo_y - 0.3 * abs(lo_y) * 0.1 - 0.2, float(np.nanmax(observed[1][len(observed[1]) // 4 :])) + 0.2)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

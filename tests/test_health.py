@@ -11,8 +11,10 @@ import pytest
 import run_recipe
 from conftest import FIXTURES
 
+from pretrainer.analysis.plots import eval_curves, loss_limits
 from pretrainer.analysis.report import report
 from pretrainer.analysis.verdicts import verdict
+from pretrainer.observe.tracking import read_jsonl
 
 
 def curve(n=400, seed=0, floor=2.0):
@@ -107,10 +109,22 @@ def test_report_plot_and_trainer_health_events(tmp_path, cache_dir, capsys):
     assert r["latest_checkpoint"]["step"] == 30
     assert r["stages"][0]["name"] == "main" and r["stages"][0]["loss_last"] < r["stages"][0]["loss_first"]
     assert "gap" in r and r["throughput"]["tokens_per_s_median"] > 0
-    assert r["gns"]["b_simple_tokens"] > 0 and "x the estimated critical batch" in r["gns"]["summary"]
+    assert r["gns"]["b_simple_tokens"] > 0 and "underestimates the critical batch" in r["gns"]["summary"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    drawn = eval_curves(read_jsonl(out / "evals.jsonl"))
+    assert drawn[:2] == ["val/ref", "val/avg"] and not any(k.endswith("_se") for k in drawn)
     assert check_run.main([str(out)]) == 0
     assert capsys.readouterr().out.startswith("verdict: healthy")
+
+
+def test_the_pictures_loss_axis_holds_the_run_not_its_untrained_start():
+    """The first tenth of the steps (the untrained start, ~2x the final loss) would squash the run into the top third;
+    every later point stays inside the axis."""
+    steps = list(range(0, 221, 10))
+    train = [8.3 - 3 * min(s, 50) / 50 + 0.001 * s for s in steps]  # 8.3 at step 0, ~5.4 from step 50
+    lo, hi = loss_limits([(steps, train), ([0, 50, 100, 220], [8.3, 5.5, 5.45, 5.35])])
+    later = [v for s, v in zip(steps, train) if s >= 22] + [5.5, 5.45, 5.35]
+    assert lo < min(later) and hi >= max(later) and hi < 7.5
 
 
 def test_live_run_without_logs_is_stalled(tmp_path):

@@ -145,4 +145,16 @@ def measured_lines(results: list[dict], gns_steps, gns_values) -> list[str]:
             f"critical batch at step {step:,}: {low}{r['cbs_tokens']:,} tokens [{r['lo']:,}, {r['hi']:,}] by branching "
             f"(the run's batch {r['batch_tokens']:,}){noise}"
         )
+    if latest:
+        lines.append("  " + batch_advice(latest[max(latest)]))
     return lines
+
+
+def batch_advice(r: dict) -> str:
+    """What the latest measurement says to do with the batch."""
+    size = r["batch_tokens"]
+    if size < r["lo"]:
+        return f"the batch can grow without costing tokens: --set '{r['suggested']}'"
+    if size > r["hi"]:
+        return "the batch is past the critical batch: each token trains the model less than at a smaller batch"
+    return "the batch is within the measured critical range: keep it"

@@ -64,38 +64,102 @@ def plot_schedule(recipe: Recipe, info: dict[str, Any], path: str | Path) -> Pat
     return Path(path)
 
 
-def plot_run(output_dir: str | Path, path: str | Path) -> Path:
-    """Four panels: train and per-source validation loss (stage boundaries, spikes, rollbacks, skips marked), LR,
-    gradient norm, tokens/s."""
+def eval_curves(evals: list[dict]) -> list[str]:
+    """The validation losses a run's picture draws: `val/ref`, `val/avg`, then each source. Not the standard errors
+    (`val/ref_se`, ~0.05): drawn as losses they pinned the y-axis at 0."""
+    keys = {k for m in evals for k in m if k.startswith("val/") and not k.endswith("_se")}
+    return [ev.VAL_REF, ev.VAL_AVG] + sorted(keys - {ev.VAL_REF, ev.VAL_AVG})
+
+
+def loss_limits(series: list) -> tuple[float, float] | None:
+    """y-limits that show the curves a person reads: the training loss after its first tenth (the untrained start,
+    ~2x the rest, would squash the whole run into the top third) and every eval point after step 0."""
+    import numpy as np
+
+    values = [np.array([])]
+    for steps, vals in series:
+        steps, vals = np.asarray(steps, float), np.asarray(vals, float)
+        if len(steps):
+            values.append(vals[np.isfinite(vals) & (steps >= 0.1 * max(steps.max(), 1))])
+    values = np.concatenate(values)
+    if not len(values):
+        return None
+    lo, hi = float(values.min()), float(np.percentile(values, 99.5))
+    pad = 0.08 * max(hi - lo, 1e-3)
+    return lo - pad, hi + pad
+
+
+def plot_run(output_dir: str | Path, path: str | Path, report: dict[str, Any] | None = None) -> Path:
+    """The run at a glance. Top: training loss, `val/ref` (the run-long comparable curve) and the per-source
+    validation losses, the forecast's final value with its 90% band, stage boundaries, and incidents (spikes,
+    rollbacks, data skips, skipped updates) on the curve; the title carries the verdict. Below: LR, gradient norm,
+    tokens/s. `report`: check_run's report (verdict, forecast), when the caller has it."""
 
     run = load_run(output_dir)
+    report = report or {}
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True, gridspec_kw={"height_ratios": [3, 1, 1, 1]})
     ax = axes[0]
+    series = []
     if len(run.losses):
-        ax.plot(run.losses.steps, run.losses.values, lw=0.8, color="C0", label="train")
-    sources = sorted({k for m in run.evals for k in m if k.startswith("val/")})
-    for i, key in enumerate(sources):
+        ax.plot(run.losses.steps, run.losses.values, lw=0.7, color="C0", alpha=0.8, label="train loss")
+        series.append((run.losses.steps, run.losses.values))
+    styles = {ev.VAL_REF: ("black", "-", 1.8, "o"), ev.VAL_AVG: ("C1", "--", 1.4, "s")}
+    styles.update({k: (f"C{i + 2}", "-", 0.8, ".") for i, k in enumerate(eval_curves(run.evals)[2:])})
+    for key, (color, ls, lw, marker) in styles.items():
         pts = [(m["step"], as_float(m[key])) for m in run.evals if key in m]
-        ax.plot(*zip(*pts), marker="o", ms=3, lw=1.2 if key == "val/avg" else 0.8, color=f"C{i + 1}", label=key)
-    marks = {ev.SPIKE: ("red", "x"), ev.ROLLBACK: ("purple", "v"), ev.SKIP: ("black", "s")}
+        if pts:
+            ax.plot(*zip(*pts), color=color, ls=ls, lw=lw, marker=marker, ms=3.5, label=key, zorder=4)
+            series.append(tuple(zip(*pts)))
+    if limits := loss_limits(series):
+        ax.set_ylim(*limits)
+    fc = (report.get("forecast") or {}).get("final")
+    if fc:
+        err = [[fc["value"] - fc["lo"]], [fc["hi"] - fc["value"]]]
+        ax.errorbar(
+            [fc["step"]],
+            [fc["value"]],
+            yerr=err,
+            fmt="D",
+            color="black",
+            mfc="white",
+            capsize=5,
+            zorder=6,
+            label=f"forecast at step {fc['step']:,}: {fc['value']:.3f} [{fc['lo']:.3f}, {fc['hi']:.3f}]",
+        )
+    marks = {
+        ev.SPIKE: ("red", "x"),
+        ev.ROLLBACK: ("purple", "v"),
+        ev.SKIP: ("black", "s"),
+        ev.SKIPPED_UPDATE: ("orange", "|"),
+    }
+    curve = dict(zip(run.losses.steps.tolist(), run.losses.values.tolist())) if len(run.losses) else {}
+    top = ax.get_ylim()[1]
     for kind, (color, marker) in marks.items():
         steps = [e["step"] for e in run.events if e["event"] == kind]
-        if steps:
-            top = ax.get_ylim()[1]
-            ax.scatter(steps, [top] * len(steps), color=color, marker=marker, label=kind, zorder=5)
+        if steps:  # on the curve where it is known and in range, else at the top edge
+            ys = [min(curve.get(s, top), top) for s in steps]
+            ax.scatter(steps, ys, color=color, marker=marker, s=40, label=f"{kind} ({len(steps)})", zorder=7)
     for e in run.events:
-        if e["event"] == ev.STAGE_START:
+        if e["event"] == ev.STAGE_START and e["step"] > 0:
             for a in axes:
                 a.axvline(e["step"], color="grey", lw=0.8, ls="--")
-            ax.text(e["step"], ax.get_ylim()[1], f" {e['stage']} ({e.get('seq_len')})", fontsize=8, va="top")
-    ax.set_ylabel("loss")
-    ax.legend(fontsize=8, ncol=3)
-    for a, key, label in zip(axes[1:], ["lr", "grad_norm", "tokens_per_s"], ["lr", "grad norm", "tokens/s"]):
+        if e["event"] == ev.STAGE_START:
+            ax.text(e["step"], top, f" {e['stage']} ({e.get('seq_len')})", fontsize=8, va="top", color="dimgrey")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend(fontsize=8, ncol=2, loc="lower left")
+    ax.grid(alpha=0.3)
+    for a, key, label in zip(axes[1:], ["lr", "grad_norm", "tokens_per_s"], ["LR", "grad norm", "tokens/s"]):
         if len(run.train["step"]):
             a.plot(run.train["step"], run.train[key], lw=1.0)
         a.set_ylabel(label)
+        a.grid(alpha=0.3)
+    if len(run.train["step"]) and (run.train["grad_norm"] > 0).any():
+        axes[2].set_yscale("log")  # a spike's norm is 10-1000x the rest
     axes[-1].set_xlabel("optimizer step")
-    axes[0].set_title(f"{Path(output_dir).name}")
+    verdict = report.get("verdict")
+    why = "; ".join(report.get("reasons") or [])
+    title = f"{Path(output_dir).resolve().name}" + (f": {verdict}" if verdict else "")
+    ax.set_title(title + (f"\n{why[:140]}" if why else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -82,8 +82,28 @@ def _gns_summary(run: RunFiles) -> dict[str, Any] | None:
         "b_simple_tokens": gns[-1],
         "global_batch_tokens": gbt,
         "ratio": ratio,
-        "summary": f"the global batch is {ratio:.2g}x the estimated critical batch ({gns[-1]:,.0f} tokens)",
+        # B_simple is a monitor, not a batch size: it underestimates the critical batch by up to orders of
+        # magnitude (docs/BATCH.md), so it never says "shrink the batch" on its own
+        "summary": f"gradient noise scale: {gns[-1]:,.0f} tokens (the global batch is {ratio:.2g}x it); it "
+        "underestimates the critical batch, so it monitors the trend and does not size the batch",
     }
+
+
+def gns_advice(measured: bool) -> str:
+    """What to act on, said once beside the noise scale."""
+    if measured:
+        return "  act on the branching measurement below, not on the noise scale"
+    return "  to size the batch, measure the critical batch by branching: scripts/critical_batch.py (docs/BATCH.md)"
+
+
+def gap_reading(gap: dict[str, Any], verdict: str) -> str:
+    """Why a widening gap sits beside a verdict that does not call it overfitting."""
+    if gap["trend"] != "widening" or verdict == "overfitting":
+        return ""
+    return (
+        ": training loss falls faster than validation (memorisation where the data repeats: `data/repeats/<source>`); "
+        "not overfitting while validation still falls"
+    )
 
 
 def report(
@@ -117,7 +137,7 @@ def report(
 
     out["stages"] = _stage_summaries(run)
     if gap := _gap(run):
-        out["gap"] = gap
+        out["gap"] = {**gap, "reading": gap_reading(gap, v)}
     out["incidents"] = {
         k: sum(e["event"] == k for e in events) for k in (ev.SPIKE, ev.ROLLBACK, ev.SKIP, ev.TRANSIENT, ev.RESUME)
     }
@@ -249,7 +269,7 @@ def format_report(r: dict[str, Any]) -> str:
             )
     if "gap" in r:
         g = r["gap"]
-        lines.append(f"train/val gap: {g['first']:+.4f} -> {g['last']:+.4f} ({g['trend']})")
+        lines.append(f"train/val gap: {g['first']:+.4f} -> {g['last']:+.4f} ({g['trend']}){g.get('reading', '')}")
     inc = r["incidents"]
     lines.append(", ".join(f"{k}s: {v}" for k, v in inc.items()))
     if rem := r.get("remote"):
@@ -274,7 +294,7 @@ def format_report(r: dict[str, Any]) -> str:
         c = r["latest_checkpoint"]
         lines.append(f"latest verified checkpoint: {c['path']} (step {c['step']})" if c else "no verified checkpoint")
     if "gns" in r:
-        lines.append(r["gns"]["summary"])
+        lines += [r["gns"]["summary"], gns_advice("critical_batch" in r)]
     lines += r.get("critical_batch", {}).get("lines", [])
     if "context" in r:
         c = r["context"]
