@@ -1,6 +1,7 @@
 """scripts/slurm/train.sbatch under a fake Slurm: bash runs the job script as sbatch would, with stand-ins for srun
-and scontrol on PATH (tests/fixtures/fake_slurm), and SIGTERM goes to the batch shell alone, as
-`#SBATCH --signal=B:TERM@120` sends it."""
+and scontrol on PATH (tests/fixtures/fake_slurm). The signal goes to the batch shell alone: USR1 as
+`#SBATCH --signal=B:USR1@120` sends it before the time limit (the script requeues), SIGTERM as a preemption or a
+scancel sends it (Slurm requeues a preempted job itself: the script does not)."""
 
 import json
 import os
@@ -52,7 +53,7 @@ def wait_for(check, timeout: float = 240.0) -> None:
     assert check(), "timed out"
 
 
-def test_the_job_script_forwards_the_signal_and_requeues_once_on_75(tmp_path):
+def test_the_job_script_forwards_the_signal_and_requeues_once_at_the_time_limit(tmp_path):
     fake = tmp_path / "python"
     fake.write_text(FAKE_TRAINING)
     fake.chmod(0o755)
@@ -60,7 +61,7 @@ def test_the_job_script_forwards_the_signal_and_requeues_once_on_75(tmp_path):
     log, record = tmp_path / "job.log", tmp_path / "slurm.log"
     job = submit(["recipes/tiny.yaml", "--set", "run.name=a b"], env, log)
     wait_for(lambda: record.exists() and record.read_text().count("launch node=") == 2)
-    job.send_signal(signal.SIGTERM)  # the batch shell only
+    job.send_signal(signal.SIGUSR1)  # the batch shell only: the time limit is 120 s away
     assert job.wait(timeout=60) == 75, log.read_text()
     lines = record.read_text().splitlines()
     launches = sorted(x for x in lines if x.startswith("launch"))
@@ -71,7 +72,18 @@ def test_the_job_script_forwards_the_signal_and_requeues_once_on_75(tmp_path):
         assert x.endswith("scripts/run_recipe.py recipes/tiny.yaml --set run.name=a b --resume auto")
     assert sorted(x for x in lines if x.startswith("saved")) == ["saved node=0", "saved node=1"]
     assert [x for x in lines if x.startswith("requeue")] == ["requeue 4242"]
-    assert "preempted: checkpoint saved; requeueing job 4242" in log.read_text()
+    assert "checkpoint saved; requeueing job 4242" in log.read_text()
+
+    for requeue, expect in (("0", []), ("1", ["requeue 4242"])):  # a preemption: Slurm requeues (or REQUEUE_ON_TERM)
+        record.unlink()
+        job = submit(["recipes/tiny.yaml"], {**env, "REQUEUE_ON_TERM": requeue}, log)
+        wait_for(lambda: record.exists() and record.read_text().count("launch node=") == 2)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=60) == 75, log.read_text()
+        lines = record.read_text().splitlines()
+        assert sorted(x for x in lines if x.startswith("saved")) == ["saved node=0", "saved node=1"]
+        assert [x for x in lines if x.startswith("requeue")] == expect
+    assert "not requeued from here" in log.read_text()
 
     for code in ("0", "2"):  # finished, or failed: no requeue, the step's code
         record.unlink()
@@ -87,8 +99,8 @@ def test_the_job_script_forwards_the_signal_and_requeues_once_on_75(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_a_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(tmp_path, cache_dir, nodes):
-    """Real training (the micro recipe under the flagship's ZeRO-1 config, on CPU) on 1 and 2 "nodes": SIGTERM to the
-    batch shell gives a checkpoint with reason preempt, one requeue, and the requeued job (the same script again)
+    """Real training (the micro recipe under the flagship's ZeRO-1 config, on CPU) on 1 and 2 "nodes": the time
+    limit's USR1 to the batch shell gives a checkpoint with reason preempt, one requeue, and the requeued job (the same script again)
     resumes to per-step losses equal to an uninterrupted job's; the appended log has no carriage return and no
     traceback."""
     sets = ["stages.0.steps=200", "eval.every_steps=0", "checkpoint.every_tokens=null", "precision.mixed=no"]
@@ -107,7 +119,7 @@ def test_a_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(tmp_pa
     out, log, record = tmp_path / "run", tmp_path / "job.log", tmp_path / "slurm.log"
     job = submit(args(out), env, log)
     wait_for(lambda: any(m.get("step", 0) >= 20 for m in read_jsonl(out / "metrics.jsonl")))
-    job.send_signal(signal.SIGTERM)
+    job.send_signal(signal.SIGUSR1)
     assert job.wait(timeout=300) == 75, log.read_text()[-3000:]
     saved = [e for e in read_jsonl(out / "events.jsonl") if e["event"] == "checkpoint"]
     assert saved[-1]["reason"] == "preempt" and saved[-1]["step"] < 200
@@ -118,5 +130,5 @@ def test_a_preempted_job_requeues_and_resumes_to_the_uninterrupted_losses(tmp_pa
     assert step_losses(out) == step_losses(ref)
     text = log.read_text()
     assert "\r" not in text and "Traceback" not in text
-    assert text.count("preempted at step") == 1
+    assert text.count("preempted at step") == 1 and "exitcode: 75" not in text  # torch elastic's line, quieted
     assert json.loads((out / "run.json").read_text())  # one run, continued
