@@ -4,8 +4,8 @@
     accelerate launch --config_file accelerate_configs/zero1.yaml scripts/run_recipe.py recipes/1b_wsd.yaml \
         --set run.name=my-exp --output-dir runs/my-exp
     python scripts/run_recipe.py recipes/tiny.yaml --resume auto         # continue after a crash or preemption
-    python scripts/run_recipe.py recipes/tiny.yaml --branch-decay-from runs/tiny/checkpoints/step_00000100 \
-        --decay-steps 20 --output-dir runs/tiny-decay-100               # WSD: a decay branched off the stable phase
+    python scripts/run_recipe.py recipes/tiny.yaml --branch-decay-from runs/tiny/checkpoints/step_00000150 \
+        --decay-steps 20 --output-dir runs/tiny-decay                   # WSD: a decay branched off the stable phase
                                       # (into a new directory; add --resume auto to continue it after a stop)
 
 Exit codes: 0 done; 2 bad input; 74 a checkpoint could not be written; 75 preempted (SIGTERM/SIGINT) after saving

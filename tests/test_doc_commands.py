@@ -4,7 +4,8 @@ script's arguments are run_recipe.py's), Accelerate
 configs and recipes that are files, and checkpoints of `runs/tiny` that `make run` leaves (the tiny recipe's saves:
 stage ends and token triggers, its `keep_last`). None is skipped silently: each command is one of those kinds or
 the test fails on it. Training commands are checked, not run (the runs they start take minutes to days); the cheap
-ones (the offline tools on recipes and on `runs/tiny`) also run as written, in the slow suite."""
+ones (the offline tools on recipes and on `runs/tiny`) also run as written, in the slow suite. A `runs/X` a command
+reads must be one a documented command writes (`make run`, an `--output-dir`): the chained follow-ups hold together."""
 
 import importlib
 import re
@@ -46,6 +47,16 @@ def tiny_checkpoints() -> set[str]:
     return {f"step_{s:08d}" for s in sorted(steps)[-ck.keep_last :]}
 
 
+def produced_runs(cmds: list[tuple[str, str]]) -> set[str]:
+    """The run directories the documented commands write (`runs/tiny` by `make run`, each `--output-dir runs/X`):
+    the only `runs/...` a documented command may read, so a follow-up names what an earlier step made."""
+    out = {"runs/tiny"}
+    for _, cmd in cmds:
+        words = shlex.split(cmd)
+        out.update(words[i + 1] for i, w in enumerate(words[:-1]) if w == "--output-dir")
+    return {w for w in out if w.startswith("runs/")}
+
+
 def makefile_targets() -> set[str]:
     return set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
 
@@ -58,20 +69,24 @@ def script_args(words: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def check(command: str, tiny: set[str], targets: set[str]) -> str:
-    """What the command is (for the count); raises AssertionError naming what does not exist or parse."""
+def check(command: str, tiny: set[str], targets: set[str], runs: frozenset[str] = frozenset({"runs/tiny"})) -> str:
+    """What the command is (for the count); raises AssertionError naming what does not exist or parse, or a
+    `runs/X` it reads that no documented command writes (`runs`: those that are)."""
     words = shlex.split(command)
     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # environment assignments
         words = words[1:]
-    for w in words:  # files the command names
+    for i, w in enumerate(words):  # files the command names
         if w.startswith(("recipes/", "accelerate_configs/", "tests/fixtures/", "eval_tasks/")):
             assert (ROOT / w).exists(), f"{w} does not exist"
         if m := re.match(r"runs/tiny/checkpoints/(step_\d+)", w):
             assert m.group(1) in tiny, f"{w}: `make run` leaves only {sorted(tiny)}"
+        if w.startswith("runs/") and words[i - 1] != "--output-dir":
+            root = "/".join(w.split("/")[:2])
+            assert root in runs, f"{w}: no documented command writes {root} (those that do: {sorted(runs)})"
     if words[0] == "make":
         assert set(words[1:]) <= targets, f"no Makefile target {set(words[1:]) - targets}"
         return "make"
-    if words[0] == "sbatch":  # a job script of ours: RECIPE [run_recipe.py args] after it
+    if words[0] in ("sbatch", "bash") and any(w.endswith(".sbatch") for w in words):  # RECIPE [args] after it
         i = next(k for k, w in enumerate(words) if w.endswith(".sbatch"))
         assert (ROOT / words[i]).exists(), f"{words[i]} does not exist"
         words = ["python", "scripts/run_recipe.py", *words[i + 1 :]]
@@ -93,17 +108,24 @@ def check(command: str, tiny: set[str], targets: set[str]) -> str:
 
 def test_every_fenced_command_names_what_exists(capsys):
     cmds = commands()
-    tiny, targets = tiny_checkpoints(), makefile_targets()
+    tiny, targets, runs = tiny_checkpoints(), makefile_targets(), frozenset(produced_runs(cmds))
     kinds, failures = {}, []
     for doc, cmd in cmds:
         try:
-            kind = check(cmd, tiny, targets)
+            kind = check(cmd, tiny, targets, runs)
             kinds[kind] = kinds.get(kind, 0) + 1
         except AssertionError as e:
             failures.append(f"{doc}: {cmd[:100]}: {e}")
     with capsys.disabled():
         print(f"\ndoc commands: {len(cmds)} checked ({kinds})")
     assert len(cmds) >= 30 and not failures, "\n".join(failures)
+
+
+def test_a_follow_up_of_a_run_no_command_writes_is_caught():
+    runs = frozenset(produced_runs(commands()))
+    assert "runs/tiny-decay" in runs  # the README's branch decay
+    with pytest.raises(AssertionError, match="no documented command writes runs/tiny-decay-100"):
+        check("python scripts/forecast.py runs/tiny --calibrate runs/tiny-decay-100", set(), set(), runs)
 
 
 @pytest.mark.parametrize("name", ["step_00000100"])
