@@ -79,7 +79,7 @@ def quiet_bars_in_files() -> None:
     """When stdout or stderr is not a terminal (a Slurm log, `make run > log.txt`, `2> err.txt`), the progress bars
     of the libraries we call (loading weights, preparing data, saving shards) are off: in a file they are lines of
     carriage returns. Called before the work that would draw them."""
-    if _isatty(sys.stdout) and _isatty(sys.stderr):
+    if isatty(sys.stdout) and isatty(sys.stderr):
         return
     import datasets
     import huggingface_hub
@@ -90,7 +90,8 @@ def quiet_bars_in_files() -> None:
     huggingface_hub.utils.disable_progress_bars()
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
+    """A stream that is a terminal (False for a closed or fd-less one: a test's capture)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

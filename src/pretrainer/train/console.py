@@ -13,6 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..checkpoint import list_checkpoints
+from ..noise import isatty
 from ..observe import events as ev
 from ..recipe.loading import dump_recipe
 
@@ -107,7 +108,7 @@ class Progress:
     def __init__(self, total: int, initial: int, enabled: bool, stream=None, label: str = "train"):
         self.total, self.enabled, self.label = total, enabled, label
         self.stream = stream or sys.stdout
-        self.lines = enabled and not _isatty(self.stream)
+        self.lines = enabled and not isatty(self.stream)
         self.bar = tqdm(total=total, initial=initial, disable=not enabled or self.lines, desc=label)
 
     def step(self, n: int) -> None:
@@ -145,13 +146,6 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
 
 
 def _eta(seconds: float) -> str:
