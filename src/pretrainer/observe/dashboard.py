@@ -76,11 +76,11 @@ def workspace_spec(keys: Iterable[str]) -> list[dict[str, Any]]:
                 _panel("seconds per step, data wait", have("step_time_s", "data_wait")),
                 _panel("memory (GB)", prefixed("mem/")),
                 _panel("checkpoint: seconds the loop was blocked", have("ckpt/blocked_s")),
-                _panel("eval seconds", have("eval/seconds")),
+                _panel("eval seconds (held-out, lm-eval)", have("eval/seconds", "eval/lm_eval_seconds")),
             ],
         ),
     ]
-    downstream = [k for k in prefixed("eval/") if k != "eval/seconds"]
+    downstream = [k for k in prefixed("eval/") if k.count("/") >= 2]  # eval/<task>/<metric>; not the timings
     if downstream:
         sections.append(("Downstream", [_panel(k.removeprefix("eval/"), [k]) for k in downstream]))
     return [
