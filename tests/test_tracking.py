@@ -117,22 +117,27 @@ def test_tensorboard_plots_against_the_optimizer_step(killed_and_resumed):
 
 
 def test_wandb_run_identity(killed_and_resumed):
-    """Named by the run directory, grouped by the recipe's run.name, a job type, stage and launch tags."""
+    """Named by the run directory, grouped by the recipe's run.name, a job type, stage and launch tags; charts
+    against `train/step`."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     from pretrainer.observe.wandb_history import records
 
     out, _ = killed_and_resumed
     rid = (out / "wandb_id").read_text().strip()
-    runs = []
+    runs, axes = [], {}
     for f in offline_files(out, rid):
         for raw in records(f):
             rec = pb.Record()
             rec.ParseFromString(raw)
             if rec.WhichOneof("record_type") == "run":
                 runs.append(rec.run)
+            elif rec.WhichOneof("record_type") == "metric" and rec.metric.glob_name:
+                axes[rec.metric.glob_name] = (rec.metric.step_metric, rec.metric.options.hidden)
     assert runs and all(r.display_name == "run" and r.run_group == "micro" and r.job_type == "train" for r in runs)
     assert set(runs[0].tags) == {"stage:main", "launch:single"}
+    # every chart's x-axis is the optimizer step; the markers (steps, not quantities) are off the automatic panels
+    assert axes == {"*": ("train/step", False), "marker/*": ("train/step", True)}
 
 
 def test_workspace_plots_every_quantity_the_run_logged(killed_and_resumed, capsys):
