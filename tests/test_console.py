@@ -5,12 +5,16 @@ import io
 
 from pretrainer.analysis.critical_batch import batch_advice
 from pretrainer.analysis.report import gap_reading, gns_advice
+from pretrainer.analysis.verdicts import add_downstream
 from pretrainer.recipe.lint import Finding
 from pretrainer.train.console import Progress, announce, end_block
 
 
 def test_end_block_shows_the_downstream_scores_it_computed(tmp_path):
-    scores = {0: {"eval/bpb/bits_per_byte": 4.4007}, 220: {"eval/bpb/bits_per_byte": 3.0033}}
+    scores: dict = {}
+    for step, value in ((0, 4.4007), (100, 3.5), (220, 3.0033)):  # the live monitor's fold, row by row
+        add_downstream(scores, step, {"eval/bpb/bits_per_byte": value, "eval/lm_eval_seconds": 9.0, "val/ref": 5.0})
+    assert list(scores) == ["bpb/bits_per_byte"]  # one entry per score, not per eval: the timings are not scores
     text = end_block(tmp_path, {0: 8.3, 220: 5.35}, {}, [], downstream=scores)
     assert "downstream bpb/bits_per_byte: 3.0033 (step 220) (4.4007 at step 0)" in text
     assert "downstream" not in end_block(tmp_path, {220: 5.35}, {}, [])  # none computed, none shown

@@ -135,7 +135,8 @@ def test_a_checkpoint_make_run_does_not_leave_is_caught(name):
 
 
 OFFLINE_TOOLS = {
-    f"scripts/{n}.py" for n in ("check_run", "inspect_recipe", "export_checkpoint", "eval_checkpoint", "forecast")
+    f"scripts/{n}.py"
+    for n in ("check_run", "inspect_recipe", "export_checkpoint", "eval_checkpoint", "forecast", "wandb_workspace")
 }
 """The scripts that read a run or a recipe and train nothing."""
 
@@ -144,10 +145,17 @@ def cheap(command: str) -> bool:
     """A documented command that runs in minutes on what `make run` leaves: its inputs are recipes and `runs/tiny`,
     nothing from a cluster, a GPU, another run or the Hub."""
     words = shlex.split(command)
-    if len(words) < 2 or words[0] != "python" or words[1] not in OFFLINE_TOOLS or "--push-to-hub" in words:
+    if len(words) < 2 or words[0] != "python" or words[1] not in OFFLINE_TOOLS:
+        return False
+    if "--push-to-hub" in words or "--entity" in words:  # the Hub, W&B: the network
         return False
     runs = [w for w in words if w.startswith(("runs/", "/", "some/")) or w.endswith(".csv")]
     return all(w == "runs/tiny" or w.startswith("runs/tiny/") for w in runs)
+
+
+def test_the_workspace_layout_runs_with_the_cheap_commands_and_its_upload_does_not():
+    assert cheap("python scripts/wandb_workspace.py runs/tiny --json")
+    assert not cheap("python scripts/wandb_workspace.py runs/tiny --entity my-team")  # W&B, over the network
 
 
 @pytest.mark.slow  # every cheap documented command run as written on a trained tiny run

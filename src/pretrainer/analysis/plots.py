@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -74,8 +75,6 @@ def eval_curves(evals: list[dict]) -> list[str]:
 def loss_limits(series: list) -> tuple[float, float] | None:
     """y-limits that show the curves a person reads: the training loss after its first tenth (the untrained start,
     ~2x the rest, would squash the whole run into the top third) and every eval point after step 0."""
-    import numpy as np
-
     values = [np.array([])]
     for steps, vals in series:
         steps, vals = np.asarray(steps, float), np.asarray(vals, float)
@@ -87,6 +86,13 @@ def loss_limits(series: list) -> tuple[float, float] | None:
     lo, hi = float(values.min()), float(np.percentile(values, 99.5))
     pad = 0.08 * max(hi - lo, 1e-3)
     return lo - pad, hi + pad
+
+
+def _loss_at(losses, step: int, default: float) -> float:
+    """The training loss logged at `step` (the series is sorted by step: a lookup, not a table of the whole run)."""
+    i = int(np.searchsorted(losses.steps, step))
+    found = i < len(losses.steps) and losses.steps[i] == step and np.isfinite(losses.values[i])
+    return float(losses.values[i]) if found else default
 
 
 def plot_run(output_dir: str | Path, path: str | Path, report: dict[str, Any] | None = None) -> Path:
@@ -132,12 +138,11 @@ def plot_run(output_dir: str | Path, path: str | Path, report: dict[str, Any] | 
         ev.SKIP: ("black", "s"),
         ev.SKIPPED_UPDATE: ("orange", "|"),
     }
-    curve = dict(zip(run.losses.steps.tolist(), run.losses.values.tolist())) if len(run.losses) else {}
     top = ax.get_ylim()[1]
     for kind, (color, marker) in marks.items():
         steps = [e["step"] for e in run.events if e["event"] == kind]
         if steps:  # on the curve where it is known and in range, else at the top edge
-            ys = [min(curve.get(s, top), top) for s in steps]
+            ys = [min(_loss_at(run.losses, s, top), top) for s in steps]
             ax.scatter(steps, ys, color=color, marker=marker, s=40, label=f"{kind} ({len(steps)})", zorder=7)
     for e in run.events:
         if e["event"] == ev.STAGE_START and e["step"] > 0:

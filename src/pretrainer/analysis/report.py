@@ -17,7 +17,7 @@ from ..evaluation.context import context_verdict
 from ..observe import events as ev
 from .critical_batch import measured_lines, read_results
 from .runfiles import RunFiles, as_float, load_run, val_of
-from .verdicts import replayed, verdict
+from .verdicts import add_downstream, replayed, verdict
 
 
 def _stage_summaries(run: RunFiles) -> list[dict[str, Any]]:
@@ -247,9 +247,7 @@ def _downstream(run: RunFiles) -> dict[str, dict] | None:
     """Each lm-eval score at its first and latest eval (the first is the untrained baseline when scored at step 0)."""
     out: dict[str, dict] = {}
     for m in run.evals:
-        for k, v in m.items():
-            if k.startswith("eval/") and k.count("/") >= 2 and "_stderr" not in k:  # eval/<task>/<metric>
-                out.setdefault(k[5:], {"first_step": m["step"], "first": v}).update(last_step=m["step"], last=v)
+        add_downstream(out, m["step"], m)
     return out or None
 
 

@@ -133,13 +133,14 @@ def eval_scatter(vals: list[tuple[int, float]], last: int = 10) -> float:
     return diff_scatter(v) if len(v) >= 8 else 0.0
 
 
-def downstream_of(values: dict[str, Any]) -> dict[str, float]:
-    """The lm-eval scores of a metrics row (`eval/<task>/<metric>`; not the eval timings)."""
-    return {
-        k: v
-        for k, v in values.items()
-        if k.startswith("eval/") and k.count("/") >= 2 and isinstance(v, int | float) and not isinstance(v, bool)
-    }
+def add_downstream(scores: dict[str, dict], step: int, values: dict[str, Any]) -> None:
+    """Fold a metrics row's lm-eval scores into `scores`: per score (`<task>/<metric>`) its first and latest value
+    and step (the first is the untrained baseline when scored at step 0). Constant size per score, however long the
+    run."""
+    for k, v in values.items():
+        if ev.is_downstream_key(k) and isinstance(v, int | float) and not isinstance(v, bool):
+            name = k.removeprefix(ev.EVAL_PREFIX)
+            scores.setdefault(name, {"first_step": step, "first": v}).update(last_step=step, last=v)
 
 
 class HealthMonitor:
@@ -153,8 +154,8 @@ class HealthMonitor:
         self.incidents: list[dict] = []
         self.context: dict | None = None
         """The latest `context` event's details (loss by position and its verdict)."""
-        self.downstream: dict[int, dict[str, float]] = {}
-        """lm-eval's scores (`eval/<task>/<metric>`) by step, for the end of the run's story."""
+        self.downstream: dict[str, dict] = {}
+        """lm-eval's scores, first and latest (`add_downstream`), for the end of the run's story."""
         if output_dir is not None:
             run = load_run(output_dir)
             self.losses.update(run.losses)  # (step, loss) pairs
@@ -162,11 +163,11 @@ class HealthMonitor:
             self.val_se.update((m["step"], m[ev.VAL_REF_SE]) for m in run.evals if ev.VAL_REF_SE in m)
             self.incidents = [e for e in run.events if e["event"] in (ev.SPIKE, ev.ROLLBACK)]
             self.context = next((e for e in reversed(run.events) if e["event"] == ev.CONTEXT), None)
-            self.downstream.update((m["step"], d) for m in run.evals if (d := downstream_of(m)))
+            for m in run.evals:
+                add_downstream(self.downstream, m["step"], m)
 
     def on_metrics(self, step: int, values: dict[str, Any]) -> None:
-        if d := downstream_of(values):
-            self.downstream[step] = d
+        add_downstream(self.downstream, step, values)
         if ev.VAL_REF in values or ev.VAL_AVG in values:
             self.val[step] = val_of(values)
             if (se := values.get(ev.VAL_REF_SE)) is not None:

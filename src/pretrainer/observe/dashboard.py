@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from . import events as ev
+
 X_AXIS = "train/step"
 
 
@@ -80,7 +82,7 @@ def workspace_spec(keys: Iterable[str]) -> list[dict[str, Any]]:
             ],
         ),
     ]
-    downstream = [k for k in prefixed("eval/") if k.count("/") >= 2]  # eval/<task>/<metric>; not the timings
+    downstream = [k for k in prefixed(ev.EVAL_PREFIX) if ev.is_downstream_key(k)]
     if downstream:
         sections.append(("Downstream", [_panel(k.removeprefix("eval/"), [k]) for k in downstream]))
     return [

@@ -192,6 +192,13 @@ VAL_AVG = "val/avg"
 VAL_PREFIX = "val/"
 VAL_POS_PREFIX = "val_pos/"
 EVAL_PREFIX = "eval/"
+
+
+def is_downstream_key(key: str) -> bool:
+    """An lm-eval score's key, `eval/<task>/<metric>` (not the eval timings, not a score's standard error)."""
+    return key.startswith(EVAL_PREFIX) and key.count("/") >= 2 and "_stderr" not in key
+
+
 INCIDENT = "incident"
 FORECAST_FINAL = "forecast/final"
 """The final `val/ref` the law forecasts for the run's own schedule; `_lo` and `_hi`: its 90% band."""

@@ -60,9 +60,9 @@ def end_block(
     counts: dict[str, int],
     trackers: list[str],
     context: dict | None = None,
-    downstream: dict[int, dict[str, float]] | None = None,
+    downstream: dict[str, dict] | None = None,
 ) -> str:
-    """The run's closing story. `downstream`: lm-eval's scores by step (the first and the last are shown)."""
+    """The run's closing story. `downstream`: lm-eval's scores, first and latest (`verdicts.add_downstream`)."""
     checkpoints = [c.path.name for c in list_checkpoints(Path(output_dir) / "checkpoints")]
     finite = {s: v for s, v in val.items() if isinstance(v, int | float)}
     lines = ["done."]
@@ -73,12 +73,9 @@ def end_block(
             f"validation loss (val/ref): final {finite[last]:.4f} (step {last:,}), best {finite[best]:.4f} "
             f"(step {best:,})"
         )
-    if downstream:
-        first, last = min(downstream), max(downstream)
-        for key, value in sorted(downstream[last].items()):
-            was = downstream[first].get(key) if first != last else None
-            since = f" ({was:.5g} at step {first:,})" if isinstance(was, int | float) else ""
-            lines.append(f"downstream {key.removeprefix('eval/')}: {value:.5g} (step {last:,}){since}")
+    for name, d in sorted((downstream or {}).items()):
+        since = f" ({d['first']:.5g} at step {d['first_step']:,})" if d["first_step"] != d["last_step"] else ""
+        lines.append(f"downstream {name}: {d['last']:.5g} (step {d['last_step']:,}){since}")
     if context:  # the latest loss-by-position verdict
         lines.append(f"context (step {context['step']:,}): {context['verdict']}")
     shown = (ev.SPIKE, ev.ROLLBACK, ev.SKIP, ev.TRANSIENT, ev.SKIPPED_UPDATE, ev.RESUME)

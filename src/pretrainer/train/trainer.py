@@ -118,7 +118,8 @@ class Trainer:
         if self.likely is not None:
             self._resumable(*self.likely)  # a refusal before anything of the run is written (or built)
         recipe_findings = lint(recipe, available, fp8_capable())
-        self.findings = recipe_findings + launch_findings(recipe, acc, len(self.tokenizer))
+        launch_found = launch_findings(recipe, acc, len(self.tokenizer))
+        self.findings = recipe_findings + launch_found
         self._build_model()
         self.rundir.clear_old_run()  # --overwrite: only now, with everything of the new run known good
         acc.wait_for_everyone()
@@ -126,8 +127,10 @@ class Trainer:
         self.identity = run_identity(acc, self.output_dir, self.resume_spec, recipe.checkpoint.remote, self.log)
         if acc.is_main_process:
             # a branch continues its parent as trained: the recipe's findings were the parent's to act on
-            inherited = recipe_findings if self.job_type != "train" else []
-            announce(recipe, self.output_dir, [f for f in self.findings if f not in inherited], inherited)
+            if self.job_type == "train":
+                announce(recipe, self.output_dir, self.findings)
+            else:
+                announce(recipe, self.output_dir, launch_found, inherited=recipe_findings)
         self._build_parts()
 
     def _build_model(self) -> None:
